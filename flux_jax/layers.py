@@ -1,0 +1,234 @@
+"""FLUX.1 building blocks in Flax linen, one class per BFL concept.
+
+Every linear layer is a `dense(...)`: float32 params, configurable compute dtype, logical axis
+names for sharding, and an injectable dot_general (the FP8 hook). Blocks never branch on FP8;
+they only pass `dot_general_cls` through.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from flux_jax.math import attention
+
+DotGeneralFactory = Callable[[], nn.Module] | None
+Init = Callable[..., jax.Array]
+
+xavier = nn.initializers.xavier_uniform()
+zeros = nn.initializers.zeros_init()
+
+
+def dense(
+    features: int,
+    axes: tuple[str | None, str | None],
+    name: str,
+    dtype: Any,
+    dot_general_cls: DotGeneralFactory,
+    kernel_init: Init = xavier,
+    use_bias: bool = True,
+) -> nn.Dense:
+    """nn.Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
+        bias_init=nn.with_logical_partitioning(zeros, (axes[1],)),
+        dot_general_cls=dot_general_cls,
+        name=name,
+    )
+
+
+def layer_norm(name: str, dtype: Any) -> nn.LayerNorm:
+    """LayerNorm without affine params, eps 1e-6 (BFL's elementwise_affine=False)."""
+    return nn.LayerNorm(epsilon=1e-6, use_bias=False, use_scale=False, dtype=dtype, name=name)
+
+
+def split_heads(x: jax.Array, parts: int, num_heads: int) -> list[jax.Array]:
+    """'B L (K H D) -> K x (B L H D)', BFL's fused qkv order."""
+    b, length, width = x.shape
+    x = x.reshape(b, length, parts, num_heads, width // (parts * num_heads))
+    return [x[:, :, i] for i in range(parts)]
+
+
+class MLPEmbedder(nn.Module):
+    """out_layer(silu(in_layer(x)))."""
+
+    hidden_dim: int
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.normal(0.02)
+        x = dense(self.hidden_dim, ("in", "mlp"), "in_layer", self.dtype, self.dot_general_cls, init)(x)
+        x = nn.silu(x)
+        return dense(self.hidden_dim, ("mlp", "embed"), "out_layer", self.dtype, self.dot_general_cls, init)(
+            x
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation in float32, cast back to the input dtype, then times `scale`."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
+            (x.shape[-1],),
+            jnp.float32,
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return normed.astype(x.dtype) * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+
+
+class QKNorm(nn.Module):
+    """Per-head RMSNorm of q and k; both come back in v's dtype."""
+
+    @nn.compact
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        q = RMSNorm(name="query_norm")(q)
+        k = RMSNorm(name="key_norm")(k)
+        return q.astype(v.dtype), k.astype(v.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Holds qkv, norm and proj; the attention itself runs jointly in the block."""
+
+    dim: int
+    num_heads: int
+    qkv_bias: bool = True
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+
+    def setup(self):
+        self.qkv = dense(
+            3 * self.dim, ("embed", "qkv"), "qkv", self.dtype, self.dot_general_cls, use_bias=self.qkv_bias
+        )
+        self.norm = QKNorm()
+        self.proj = dense(self.dim, ("heads", "embed"), "proj", self.dtype, self.dot_general_cls)
+
+    def heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B, L, dim) -> normalised q, k and v, each (B, L, H, D)."""
+        q, k, v = split_heads(self.qkv(x), 3, self.num_heads)
+        q, k = self.norm(q, k, v)
+        return q, k, v
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(x)
+
+
+class Modulation(nn.Module):
+    """lin(silu(vec)) split into (shift, scale, gate) once, or twice when `double`."""
+
+    dim: int
+    double: bool
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, vec: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        n = 6 if self.double else 3
+        out = dense(n * self.dim, ("embed", "mod"), "lin", self.dtype, self.dot_general_cls, zeros)(
+            nn.silu(vec)
+        )
+        chunks = jnp.split(out[:, None, :], n, axis=-1)
+        return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    return (1 + scale) * x + shift
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate image and text weights, joint attention over [txt, img]."""
+
+    hidden_size: int
+    num_heads: int
+    mlp_ratio: float
+    qkv_bias: bool = True
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+    attention_impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, img: jax.Array, txt: jax.Array, vec: jax.Array, pe: jax.Array):
+        dim, dg = self.hidden_size, self.dot_general_cls
+        mlp_dim = int(dim * self.mlp_ratio)
+        streams = {}
+        for s in ("img", "txt"):
+            streams[s] = dict(
+                mod=Modulation(dim, True, self.dtype, dg, name=f"{s}_mod"),
+                norm1=layer_norm(f"{s}_norm1", self.dtype),
+                attn=SelfAttention(dim, self.num_heads, self.qkv_bias, self.dtype, dg, name=f"{s}_attn"),
+                norm2=layer_norm(f"{s}_norm2", self.dtype),
+                mlp_0=dense(mlp_dim, ("embed", "mlp"), f"{s}_mlp_0", self.dtype, dg),
+                mlp_2=dense(dim, ("mlp", "embed"), f"{s}_mlp_2", self.dtype, dg),
+            )
+        x = {"img": img, "txt": txt}
+        mods, qkv = {}, {}
+        for s, m in streams.items():
+            mods[s] = m["mod"](vec)
+            shift, scale, _ = mods[s][0]
+            qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale))
+        q, k, v = (jnp.concatenate([qkv["txt"][i], qkv["img"][i]], axis=1) for i in range(3))
+        attn = checkpoint_name(attention(q, k, v, pe, self.attention_impl), "attention_out")
+        n_txt = txt.shape[1]
+        attn_out = {"txt": attn[:, :n_txt], "img": attn[:, n_txt:]}
+        for s, m in streams.items():
+            (_, _, gate1), (shift2, scale2, gate2) = mods[s]
+            h = x[s] + gate1 * m["attn"](attn_out[s])
+            mlp_in = modulate(m["norm2"](h), shift2, scale2)
+            x[s] = h + gate2 * m["mlp_2"](nn.gelu(m["mlp_0"](mlp_in), approximate=True))
+        return x["img"], x["txt"]
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel attention + MLP on the joint sequence (linear1 fuses qkv and the MLP input)."""
+
+    hidden_size: int
+    num_heads: int
+    mlp_ratio: float
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+    attention_impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, vec: jax.Array, pe: jax.Array) -> jax.Array:
+        dim, dg = self.hidden_size, self.dot_general_cls
+        mlp_dim = int(dim * self.mlp_ratio)
+        ((shift, scale, gate),) = Modulation(dim, False, self.dtype, dg, name="modulation")(vec)
+        x_mod = modulate(layer_norm("pre_norm", self.dtype)(x), shift, scale)
+        h = dense(3 * dim + mlp_dim, ("embed", "qkv"), "linear1", self.dtype, dg)(x_mod)
+        q, k, v = split_heads(h[..., : 3 * dim], 3, self.num_heads)
+        q, k = QKNorm(name="norm")(q, k, v)
+        attn = checkpoint_name(attention(q, k, v, pe, self.attention_impl), "attention_out")
+        mlp = nn.gelu(h[..., 3 * dim :], approximate=True)
+        out = dense(dim, ("mlp", "embed"), "linear2", self.dtype, dg)(jnp.concatenate([attn, mlp], -1))
+        return x + gate * out
+
+
+class LastLayer(nn.Module):
+    """adaLN (shift first, then scale) and the output projection; zero-initialised."""
+
+    hidden_size: int
+    out_channels: int
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, vec: jax.Array) -> jax.Array:
+        dg = self.dot_general_cls
+        mod = dense(2 * self.hidden_size, ("embed", "mod"), "adaLN_modulation_1", self.dtype, dg, zeros)(
+            nn.silu(vec)
+        )
+        shift, scale = jnp.split(mod[:, None, :], 2, axis=-1)
+        x = modulate(layer_norm("norm_final", self.dtype)(x), shift, scale)
+        return dense(self.out_channels, ("embed", None), "linear", self.dtype, dg, zeros)(x)

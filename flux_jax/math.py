@@ -1,0 +1,65 @@
+"""Pure numerical pieces of FLUX.1: timestep embedding, RoPE and joint attention.
+
+Layout is B L H D throughout (batch, tokens, heads, head_dim), the layout
+`jax.nn.dot_product_attention` takes, so no transposes sit around attention.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def timestep_embedding(
+    t: jax.Array, dim: int = 256, max_period: float = 10000.0, time_factor: float = 1000.0
+) -> jax.Array:
+    """Sinusoidal embedding of t in [0, 1], cos first, computed in float32 as BFL does."""
+    t = time_factor * t.astype(jnp.float32)
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = t[:, None] * freqs[None, :]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+    if dim % 2:
+        emb = jnp.concatenate([emb, jnp.zeros_like(emb[:, :1])], axis=-1)
+    return emb
+
+
+def rope(pos: jax.Array, dim: int, theta: float) -> jax.Array:
+    """2x2 rotation matrices for one position axis: (..., L) -> (..., L, dim/2, 2, 2), float32."""
+    if dim % 2:
+        raise ValueError(f"FluxParams.axes_dim entries must be even, got {dim}; fix axes_dim.")
+    scale = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    omega = 1.0 / (theta**scale)
+    out = pos.astype(jnp.float32)[..., None] * omega.reshape((1,) * pos.ndim + omega.shape)
+    cos, sin = jnp.cos(out), jnp.sin(out)
+    rot = jnp.stack([cos, -sin, sin, cos], axis=-1)
+    return rot.reshape(*rot.shape[:-1], 2, 2)
+
+
+def embed_nd(ids: jax.Array, axes_dim: tuple[int, ...], theta: float) -> jax.Array:
+    """Rotary tables for (B, L, n_axes) ids -> (B, L, 1, head_dim/2, 2, 2), broadcast over heads."""
+    if ids.shape[-1] != len(axes_dim):
+        raise ValueError(
+            f"ids have {ids.shape[-1]} position axes but FluxParams.axes_dim has {len(axes_dim)}; "
+            "make them agree."
+        )
+    emb = jnp.concatenate([rope(ids[..., i], d, theta) for i, d in enumerate(axes_dim)], axis=-3)
+    return emb[:, :, None]
+
+
+def apply_rope(x: jax.Array, pe: jax.Array) -> jax.Array:
+    """Rotate adjacent (interleaved) pairs of the head dim in float32; returns x's dtype."""
+    x_pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 1, 2)
+    out = pe[..., 0] * x_pairs[..., 0] + pe[..., 1] * x_pairs[..., 1]
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array, implementation: str = "xla"
+) -> jax.Array:
+    """Rotary joint attention, no mask: (B, L, H, D) x3 -> (B, L, H*D)."""
+    if implementation not in ("xla", "cudnn"):
+        raise ValueError(f"attention implementation must be 'xla' or 'cudnn', got {implementation!r}.")
+    q, k = apply_rope(q, pe), apply_rope(k, pe)
+    out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+    return out.reshape(*out.shape[:-2], -1)
