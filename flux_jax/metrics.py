@@ -1,0 +1,79 @@
+"""Model FLOP count, device peak, and the metrics writer (metrics.jsonl + TensorBoard)."""
+
+import json
+import os
+from typing import Any
+
+# Dense peak FLOP/s (no sparsity) per device, by a substring of jax's device_kind.
+_PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp8": 1979e12},
+    "H100": {"bf16": 989e12, "fp8": 1979e12},
+    "MI300X": {"bf16": 1307.4e12, "fp8": 2614.9e12},
+    "MI325X": {"bf16": 1307.4e12, "fp8": 2614.9e12},
+}
+
+
+def train_flops_per_sample(p: Any, img_len: int, txt_len: int) -> float:
+    """Model FLOPs of one training sample (forward + backward) for FluxParams p.
+
+    6 * params_touched_per_token * tokens for every dense layer (2 FLOPs per multiply-add, times 3
+    for forward, data-gradient and weight-gradient), plus attention: QK^T and AV cost
+    2 * 2 * L^2 * hidden per layer forward, times 3 for training, with L = img_len + txt_len.
+    Per-sample layers (modulations, time/vector embedders) count once per sample. Recomputation
+    is not counted (this is model FLOPs, as MFU is defined).
+    """
+    h = p.hidden_size
+    mlp = int(h * p.mlp_ratio)
+    length = img_len + txt_len
+    stream = 3 * h * h + h * h + 2 * h * mlp  # qkv, attention out, MLP in/out of one stream
+    double = stream * length  # img tokens use img weights, txt tokens txt weights
+    single = (h * (3 * h + mlp) + (h + mlp) * h) * length
+    embed = p.in_channels * h * img_len + p.context_in_dim * h * txt_len + h * p.out_channels * img_len
+    per_sample = (
+        p.depth * 2 * 6 * h * h  # img_mod and txt_mod
+        + p.depth_single_blocks * 3 * h * h
+        + 2 * h * h  # final adaLN
+        + (256 * h + h * h) * (2 if p.guidance_embed else 1)  # time_in (+ guidance_in)
+        + p.vec_in_dim * h
+        + h * h  # vector_in
+    )
+    dense = p.depth * double + p.depth_single_blocks * single + embed + per_sample
+    attention = 4 * length * length * h * (p.depth + p.depth_single_blocks)
+    return 6.0 * dense + 3.0 * attention
+
+
+def peak_flops(device_kind: str, fp8: bool) -> float | None:
+    """Peak FLOP/s of one device, or None when the device is not in the table."""
+    for name, peaks in _PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return peaks["fp8" if fp8 else "bf16"]
+    return None
+
+
+class MetricWriter:
+    """Appends JSON lines to WORKDIR/metrics.jsonl and scalars to TensorBoard (process 0 only)."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, values: dict[str, Any], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, "split": prefix, **values}) + "\n")
+        self._jsonl.flush()
+        for key, value in values.items():
+            if isinstance(value, int | float):
+                self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()

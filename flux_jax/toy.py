@@ -1,0 +1,199 @@
+"""Built-in toy data: coloured shapes at positions, drawn straight into 16-channel latents.
+
+Each sample comes from a caption "<colour> <shape> <position>" such as "red circle top-left". The
+latent (16, S, S) holds the shape's mask times a fixed per-colour 16-vector, with small per-sample
+jitter of position and size so the task is not pure memorisation. Caption embeddings are built from
+fixed per-word vectors, so the text conditioning carries exactly the information needed. Everything
+is a function of (seed, split, step, process index): the iterator state is just the step.
+"""
+
+import itertools
+import zlib
+
+import numpy as np
+
+COLOURS = {
+    "red": (1.0, 0.1, 0.1),
+    "green": (0.1, 0.9, 0.2),
+    "blue": (0.15, 0.25, 1.0),
+    "yellow": (1.0, 0.9, 0.1),
+    "white": (1.0, 1.0, 1.0),
+}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = {
+    "top-left": (0.3, 0.3),
+    "top-right": (0.3, 0.7),
+    "bottom-left": (0.7, 0.3),
+    "bottom-right": (0.7, 0.7),
+    "center": (0.5, 0.5),
+}
+CAPTIONS = tuple(" ".join(c) for c in itertools.product(COLOURS, SHAPES, POSITIONS))
+LATENT_CHANNELS = 16
+NUM_VAL_TIMESTEPS = 8
+# Latent magnitude chosen so the packed latents have roughly unit scale, like VAE latents after
+# BFL's (z - shift) * scale.
+LATENT_GAIN = 5.0
+
+
+def _word_rng(word: str, salt: str) -> np.random.Generator:
+    # crc32 instead of hash(): Python's str hash is salted per process.
+    return np.random.default_rng(zlib.crc32(f"{salt}:{word}".encode()))
+
+
+def word_vector(word: str, dim: int, salt: str = "txt") -> np.ndarray:
+    """Fixed unit-variance vector for a word."""
+    return _word_rng(word, salt).standard_normal(dim).astype(np.float32)
+
+
+def colour_basis() -> np.ndarray:
+    """(16, 3) matrix with orthonormal columns mapping RGB to latent channels."""
+    q, _ = np.linalg.qr(np.random.default_rng(1234).standard_normal((LATENT_CHANNELS, 3)))
+    return q.astype(np.float32)
+
+
+def decode(latent: np.ndarray) -> np.ndarray:
+    """Fixed linear decoder: latent (..., 16, S, S) -> RGB (..., S, S, 3) in [0, 1]."""
+    rgb = np.einsum("...chw,cr->...hwr", latent, colour_basis()) / LATENT_GAIN
+    return np.clip(rgb, 0.0, 1.0)
+
+
+def draw_latent(caption: str, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Renders one caption into a (16, size, size) float32 latent."""
+    colour, shape, position = caption.split(" ")
+    cy, cx = POSITIONS[position]
+    cy += rng.uniform(-0.05, 0.05)
+    cx += rng.uniform(-0.05, 0.05)
+    radius = rng.uniform(0.15, 0.22)
+    grid = (np.arange(size, dtype=np.float32) + 0.5) / size
+    yy, xx = np.meshgrid(grid, grid, indexing="ij")
+    dy, dx = yy - cy, xx - cx
+    if shape == "circle":
+        mask = dy**2 + dx**2 <= radius**2
+    elif shape == "square":
+        mask = (np.abs(dy) <= radius * 0.85) & (np.abs(dx) <= radius * 0.85)
+    else:
+        mask = (dy <= radius * 0.8) & (dy >= -radius) & (np.abs(dx) <= (dy + radius) * 0.6)
+    vec = colour_basis() @ np.asarray(COLOURS[colour], np.float32) * LATENT_GAIN
+    return (vec[:, None, None] * mask[None].astype(np.float32)).astype(np.float32)
+
+
+def embed_caption(caption: str, txt_len: int, context_in_dim: int, vec_in_dim: int):
+    """Caption -> (txt (txt_len, context_in_dim), y (vec_in_dim)), like padded T5 and pooled CLIP."""
+    words = caption.split(" ")
+    if txt_len < len(words):
+        raise ValueError(f"data.txt_len={txt_len} is shorter than a toy caption ({len(words)} words).")
+    txt = np.zeros((txt_len, context_in_dim), np.float32)
+    for i, w in enumerate(words):
+        txt[i] = word_vector(w, context_in_dim)
+    y = np.mean([word_vector(w, vec_in_dim, salt="pooled") for w in words], axis=0)
+    return txt, y.astype(np.float32)
+
+
+def pack(latent: np.ndarray) -> np.ndarray:
+    """BFL packing "b c (h ph) (w pw) -> b (h w) (c ph pw)" with 2x2 patches."""
+    b, c, h, w = latent.shape
+    x = latent.reshape(b, c, h // 2, 2, w // 2, 2).transpose(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Inverse of pack: (B, L, 64) -> (B, 16, height, width) latents."""
+    b = x.shape[0]
+    c = x.shape[2] // 4
+    x = x.reshape(b, height // 2, width // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, height, width)
+
+
+def img_ids(height: int, width: int) -> np.ndarray:
+    """(L, 3) position ids for a packed (height, width) latent: axis 0 = 0, axis 1 row, axis 2 col."""
+    ids = np.zeros((height // 2, width // 2, 3), np.float32)
+    ids[..., 1] = np.arange(height // 2)[:, None]
+    ids[..., 2] = np.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+class ToyPipeline:
+    """Infinite iterator of packed toy batches; deterministic in (seed, split, step, process).
+
+    Train batches apply CFG dropout (zeroed txt and y). Validation batches carry a "timestep" index
+    0..7, spread evenly within every batch, and never drop the caption.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        split: str,
+        batch_size: int,
+        image_size: int,
+        txt_len: int,
+        context_in_dim: int,
+        vec_in_dim: int,
+        cfg_dropout_prob: float = 0.0,
+        process_index: int = 0,
+    ):
+        if split not in ("train", "val"):
+            raise ValueError(f"toy data split={split!r} must be 'train' or 'val'.")
+        if image_size % 16:
+            raise ValueError(f"data.image_size={image_size} must be a multiple of 16 (8x VAE, 2x2 patches).")
+        self.seed, self.split, self.batch_size = seed, split, batch_size
+        self.latent_size = image_size // 8
+        self.txt_len, self.cfg_dropout_prob = txt_len, cfg_dropout_prob
+        self.process_index = process_index
+        self.step = 0
+        self._captions = {c: embed_caption(c, txt_len, context_in_dim, vec_in_dim) for c in CAPTIONS}
+        self._img_ids = img_ids(self.latent_size, self.latent_size)
+
+    def get_state(self) -> dict:
+        return {"step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def __iter__(self):
+        return self
+
+    def _rng(self) -> np.random.Generator:
+        # The validation split uses its own stream, so held-out samples never repeat train ones.
+        split_id = 0 if self.split == "train" else 1
+        return np.random.default_rng([self.seed, split_id, self.process_index, self.step])
+
+    def __next__(self) -> dict:
+        rng = self._rng()
+        self.step += 1
+        b = self.batch_size
+        names = [CAPTIONS[i] for i in rng.integers(0, len(CAPTIONS), b)]
+        latents = np.stack([draw_latent(n, self.latent_size, rng) for n in names])
+        txt = np.stack([self._captions[n][0] for n in names])
+        y = np.stack([self._captions[n][1] for n in names])
+        batch = {
+            "img": pack(latents),
+            "img_ids": np.broadcast_to(self._img_ids, (b,) + self._img_ids.shape).copy(),
+            "txt": txt,
+            "txt_ids": np.zeros((b, self.txt_len, 3), np.float32),
+            "y": y,
+        }
+        if self.split == "train" and self.cfg_dropout_prob > 0:
+            keep = (rng.uniform(size=b) >= self.cfg_dropout_prob).astype(np.float32)
+            batch["txt"] = batch["txt"] * keep[:, None, None]
+            batch["y"] = batch["y"] * keep[:, None]
+        if self.split == "val":
+            batch["timestep"] = (np.arange(b) % NUM_VAL_TIMESTEPS).astype(np.int32)
+        return batch
+
+
+def make_pipeline(
+    config, split: str, process_index: int, process_count: int, *, context_in_dim: int, vec_in_dim: int
+) -> ToyPipeline:
+    """Toy pipeline for one host: global_batch_size / process_count samples per batch."""
+    return ToyPipeline(
+        seed=config.seed,
+        split=split,
+        batch_size=config.global_batch_size // process_count,
+        image_size=config.data.image_size,
+        txt_len=config.data.txt_len,
+        context_in_dim=context_in_dim,
+        vec_in_dim=vec_in_dim,
+        cfg_dropout_prob=config.data.cfg_dropout_prob,
+        process_index=process_index,
+    )
