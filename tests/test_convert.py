@@ -69,7 +69,8 @@ def _jax_forward(params, variables, x, guidance: bool, **kwargs) -> np.ndarray:
     b = x["img"].shape[0]
     img_ids = np.broadcast_to(x["img_ids"], (b, *x["img_ids"].shape))
     txt_ids = np.broadcast_to(x["txt_ids"], (b, *x["txt_ids"].shape))
-    out = Flux(params, dtype=jnp.float32, **kwargs).apply(
+    apply = jax.jit(Flux(params, dtype=jnp.float32, **kwargs).apply)
+    out = apply(
         variables, x["img"], img_ids, x["txt"], txt_ids, x["t"], x["y"], x["guidance"] if guidance else None
     )
     return np.asarray(out)
