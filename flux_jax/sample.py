@@ -177,6 +177,11 @@ def main(argv=None) -> None:
     saved = _saved_config(step_dir)
     # The checkpoint's own config wins: it records command-line overrides the file does not.
     config = ml_collections.ConfigDict(saved) if saved else config
+    if not args.ae and config.data.source != "toy":
+        raise ValueError(
+            f"data.source={config.data.source!r} latents need a real decoder: pass --ae (BFL "
+            "ae.safetensors or a diffusers vae folder)"
+        )
     fp = checkpoint.flux_params_from_config(config.to_dict())
     params = checkpoint.read_params(step_dir)
     flux = model.Flux(fp, dtype=jnp.dtype(config.model.dtype), scan_blocks=bool(config.model.scan_blocks))
@@ -206,10 +211,8 @@ def main(argv=None) -> None:
 
         ae_params, ae_vars = autoencoder.load_autoencoder(args.ae)
         images = (np.asarray(autoencoder.decode_nchw(ae_vars, latents, ae_params)) + 1.0) / 2.0
-    elif config.data.source == "toy":
-        images = toy.decode(latents)
     else:
-        raise ValueError("data.source is not 'toy': pass --ae (BFL ae.safetensors or a diffusers vae folder)")
+        images = toy.decode(latents)
     paths = write_images(args.out, images, prompts)
     print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
 

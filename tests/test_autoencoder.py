@@ -81,3 +81,44 @@ def test_mismatched_params_raise_clear_error():
     wrong = autoencoder.DecoderParams(block_out_channels=(32, 64, 64), layers_per_block=1, norm_groups=8)
     with pytest.raises(ValueError, match="DecoderParams"):
         autoencoder.load_decoder_state_dict(sd, wrong)
+
+
+def test_load_autoencoder_from_diffusers_folder(tmp_path):
+    vae = _torch_vae(True)
+    vae.register_to_config(scaling_factor=0.5, shift_factor=0.25)
+    vae.save_pretrained(str(tmp_path))
+    params, variables = autoencoder.load_autoencoder(str(tmp_path))
+    assert params == autoencoder.DecoderParams(
+        block_out_channels=CHANNELS,
+        layers_per_block=1,
+        norm_groups=8,
+        scale_factor=0.5,
+        shift_factor=0.25,
+        post_quant_conv=True,
+    )
+    z = np.random.default_rng(1).standard_normal((1, 16, 4, 4)).astype(np.float32)
+    with torch.no_grad():
+        ref = vae.decode(torch.from_numpy(z / 0.5 + 0.25)).sample.numpy()
+    out = np.transpose(np.asarray(autoencoder.decode_nchw(variables, z, params)), (0, 3, 1, 2))
+    assert _rel_err(out, ref) < 1e-4
+    with pytest.raises(ValueError, match="--ae"):
+        autoencoder.load_autoencoder(str(tmp_path / "missing.safetensors"))
+
+
+def test_flux_sized_diffusers_vae_maps_onto_flux_ae():
+    # FLUX.1's diffusers VAE config: four levels, 16 latent channels, no quant convs.
+    vae = diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=16,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    sd = {k: v.detach().numpy() for k, v in vae.state_dict().items() if k.startswith("decoder.")}
+    variables = autoencoder.load_decoder_state_dict(sd, autoencoder.FLUX_AE)
+    # Every decoder tensor is used exactly once.
+    import jax
+
+    assert sum(x.size for x in jax.tree.leaves(variables)) == sum(v.size for v in sd.values())

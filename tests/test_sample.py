@@ -161,3 +161,40 @@ def test_cli_samples_from_checkpoint(tmp_path, tiny_dev):
 
     assert np.asarray(Image.open(out / "000.png")).shape == (LATENT, LATENT, 3)
     assert len((out / "prompts.txt").read_text().splitlines()) == B
+
+
+def test_cli_decodes_stored_encodings_with_autoencoder(tmp_path, tiny_dev):
+    checkpoint = pytest.importorskip("flux_jax.checkpoint")
+    diffusers = pytest.importorskip("diffusers")
+    _, params = tiny_dev
+    vae = diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(32, 32),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    vae.save_pretrained(str(tmp_path / "vae"))
+    config = sample.load_config("configs/toy.py")
+    config.model.preset = "tiny-dev"
+    config.data.source = "mock"
+    config.data.image_size = LATENT * 8
+    config.data.txt_len = TXT_LEN
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "w"), config)
+    ckpt.save(1, {"step": np.int32(1), "params": params}, force=True)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    args = ["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--num_steps", "2"]
+    with pytest.raises(ValueError, match="--ae"):
+        sample.main(args + ["--num_images", str(B), "--out", str(tmp_path / "none")])
+    sample.main(
+        args + ["--num_images", str(B), "--out", str(tmp_path / "out"), "--ae", str(tmp_path / "vae")]
+    )
+    from PIL import Image
+
+    # Two decoder levels upsample the 8x8 latent once.
+    assert np.asarray(Image.open(tmp_path / "out" / "000.png")).shape == (16, 16, 3)
+    assert (tmp_path / "out" / "prompts.txt").read_text().splitlines() == ["000\tval[0]", "001\tval[1]"]
