@@ -1,0 +1,263 @@
+"""grain input pipelines: precomputed-embedding shards, mock data (real shapes), and the toy set.
+
+Every pipeline yields per-host batches (dict of numpy arrays, see the batch contract in DESIGN.md)
+and is a grain DatasetIterator, so `get_state()` / `set_state()` checkpoint its position exactly.
+
+Per-record randomness (VAE resample, CFG dropout) comes from a generator seeded with
+(config.seed, split, global record index), so it is the same whatever the worker count, host
+count or restart point, and fresh in every epoch (the index keeps growing across epochs).
+"""
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from flux_jax import shards
+
+VAE_SCALE = 0.3611
+VAE_SHIFT = 0.1159
+LATENT_CHANNELS = 16
+NUM_VAL_TIMESTEPS = 8
+_SPLIT_IDS = {"train": 0, "val": 1}
+
+
+def scale_latent(z: np.ndarray) -> np.ndarray:
+    return (VAE_SCALE * (z - VAE_SHIFT)).astype(np.float32)
+
+
+def resample_latent(mean: np.ndarray, logvar: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One draw from the VAE posterior N(mean, exp(logvar))."""
+    mean = mean.astype(np.float32)
+    eps = rng.standard_normal(mean.shape, dtype=np.float32)
+    return mean + np.exp(0.5 * logvar.astype(np.float32)) * eps
+
+
+def pack_latent(z: np.ndarray) -> np.ndarray:
+    """(c, h, w) -> (h/2 * w/2, c*4): BFL's "c (h ph) (w pw) -> (h w) (c ph pw)"."""
+    c, h, w = z.shape
+    z = z.reshape(c, h // 2, 2, w // 2, 2).transpose(1, 3, 0, 2, 4)
+    return z.reshape((h // 2) * (w // 2), c * 4)
+
+
+def image_ids(h: int, w: int) -> np.ndarray:
+    """(h/2 * w/2, 3) positions of packed tokens: axis 0 = 0, axis 1 = row, axis 2 = col."""
+    ids = np.zeros((h // 2, w // 2, 3), np.float32)
+    ids[..., 1] = np.arange(h // 2)[:, None]
+    ids[..., 2] = np.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def record_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, _SPLIT_IDS[split], index])
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordTransform:
+    """Raw record -> one training/validation example of the batch contract (picklable for workers)."""
+
+    seed: int
+    split: str
+    cfg_dropout_prob: float
+    empty_t5: np.ndarray | None
+    empty_clip: np.ndarray | None
+
+    def __call__(self, index: int, rec: dict) -> dict:
+        rng = record_rng(self.seed, self.split, index)
+        # Draw order (resample, then dropout) is fixed so a record's example never depends on others.
+        if "latent" in rec:
+            z = rec["latent"].astype(np.float32)
+        else:
+            z = resample_latent(rec["mean"], rec["logvar"], rng)
+        drop = rng.uniform() < self.cfg_dropout_prob if self.split == "train" else False
+        txt, y = rec["t5_encodings"], rec["clip_encodings"]
+        if drop:
+            txt, y = self.empty_t5, self.empty_clip
+        _, h, w = z.shape
+        out = {
+            "img": pack_latent(scale_latent(z)),
+            "img_ids": image_ids(h, w),
+            "txt": np.asarray(txt, np.float32),
+            "txt_ids": np.zeros((txt.shape[0], 3), np.float32),
+            "y": np.asarray(y, np.float32),
+        }
+        if self.split == "val":
+            out["timestep"] = np.int32(rec.get("timestep", index % NUM_VAL_TIMESTEPS))
+        return out
+
+
+class MockSource:
+    """Random records with real MLPerf shapes, like Primus' PreGeneratedMockFluxDataset.
+
+    A small pool of records is generated once per process and indexed cyclically: generating a
+    (256, 4096) encoding per read would make the mock slower than the real shards.
+    """
+
+    def __init__(self, spec: shards.RecordSpec, num_records: int, seed: int = 0, pool_size: int = 16):
+        self.spec, self.num_records, self.seed, self.pool_size = spec, num_records, seed, pool_size
+        self._pool: list[dict] | None = None
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def __getstate__(self):
+        return {**self.__dict__, "_pool": None}
+
+    def _make(self, i: int) -> dict:
+        rng = np.random.default_rng([self.seed, 7, i])
+        s = self.spec
+        return {
+            "mean": rng.standard_normal(s.latent_shape, dtype=np.float32),
+            "logvar": np.full(s.latent_shape, -4.0, np.float32),
+            "t5_encodings": rng.standard_normal((s.txt_len, s.t5_dim), dtype=np.float32),
+            "clip_encodings": rng.standard_normal((s.clip_dim,), dtype=np.float32),
+        }
+
+    def __getitem__(self, index: int) -> dict:
+        if self._pool is None:
+            self._pool = [self._make(i) for i in range(self.pool_size)]
+        index = int(index) % self.num_records
+        return {"id": f"mock-{index}", **self._pool[index % self.pool_size]}
+
+
+def _model_dims(config, context_in_dim, vec_in_dim) -> tuple[int, int]:
+    ctx = context_in_dim or config.model.get("context_in_dim")
+    vec = vec_in_dim or config.model.get("vec_in_dim")
+    if ctx is None or vec is None:
+        try:
+            from flux_jax import model
+
+            preset = model.PRESETS[config.model.preset]
+            ctx, vec = ctx or preset.context_in_dim, vec or preset.vec_in_dim
+        except (ImportError, KeyError, AttributeError):
+            ctx, vec = ctx or 4096, vec or 768
+    return int(ctx), int(vec)
+
+
+def record_spec(config, context_in_dim=None, vec_in_dim=None) -> shards.RecordSpec:
+    size = int(config.data.image_size)
+    if size % 16:
+        raise ValueError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
+    ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
+    return shards.RecordSpec((LATENT_CHANNELS, size // 8, size // 8), int(config.data.txt_len), ctx, vec)
+
+
+def _default_host_batch(config, process_count: int) -> int:
+    if config.global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} "
+            "processes: pick a multiple"
+        )
+    return config.global_batch_size // process_count
+
+
+def build_dataset(
+    source,
+    *,
+    seed: int,
+    split: str,
+    per_host_batch: int,
+    process_index: int,
+    process_count: int,
+    shuffle: bool,
+    cfg_dropout_prob: float,
+    empty: tuple[np.ndarray, np.ndarray] | None,
+    num_workers: int,
+) -> grain.IterDataset:
+    """grain graph: [shuffle, repeat] -> transform (global index) -> host slice -> batch -> workers."""
+    if split not in _SPLIT_IDS:
+        raise ValueError(f"split={split!r} must be 'train' or 'val'")
+    if len(source) < process_count * per_host_batch and split == "val":
+        raise ValueError(
+            f"validation data has {len(source)} records, fewer than one global batch "
+            f"({process_count} x {per_host_batch}): add records to data.val_path or lower the batch"
+        )
+    ds = grain.MapDataset.source(source)
+    if split == "train":
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        # After shuffle, repeat passes epoch-unique indices down, so every epoch gets a new order.
+        ds = ds.repeat()
+    empty_t5, empty_clip = empty if empty is not None else (None, None)
+    transform = RecordTransform(
+        seed, split, cfg_dropout_prob if split == "train" else 0.0, empty_t5, empty_clip
+    )
+    ds = ds.map_with_index(transform)
+    ds = ds[process_index::process_count]
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * per_host_batch))
+    it = it.batch(per_host_batch, drop_remainder=True)
+    if num_workers > 0:
+        from absl import flags
+
+        # grain's worker startup reads absl flags; outside absl.app they were never parsed.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=2))
+    return it
+
+
+def make_pipeline(
+    config,
+    split: str = "train",
+    process_index: int | None = None,
+    process_count: int | None = None,
+    *,
+    per_host_batch: int | None = None,
+    context_in_dim: int | None = None,
+    vec_in_dim: int | None = None,
+    mock_records: int = 4096,
+):
+    """Iterator of per-host batches for config.data.source in {"shards", "mock", "toy"}.
+
+    per_host_batch: samples this host yields per call (micro_batch_size x this host's
+    data-parallel share); defaults to global_batch_size / process_count.
+    """
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index, process_count = jax.process_index(), jax.process_count()
+    source_name = config.data.source
+    if source_name == "toy":
+        from flux_jax import toy
+
+        ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
+        return toy.make_pipeline(
+            config, split, process_index, process_count, context_in_dim=ctx, vec_in_dim=vec
+        )
+    if source_name not in ("shards", "mock"):
+        raise ValueError(f"data.source={source_name!r} must be one of 'toy', 'shards', 'mock'")
+    batch = per_host_batch or _default_host_batch(config, process_count)
+    spec = record_spec(config, context_in_dim, vec_in_dim)
+    cfg_p = float(config.data.cfg_dropout_prob)
+    if not 0.0 <= cfg_p <= 1.0:
+        raise ValueError(f"data.cfg_dropout_prob={cfg_p} must be in [0, 1]")
+    if source_name == "mock":
+        source = MockSource(spec, mock_records, seed=_SPLIT_IDS.get(split, 0))
+        rng = np.random.default_rng([config.seed, 99])
+        empty = (
+            rng.standard_normal((spec.txt_len, spec.t5_dim), dtype=np.float32),
+            rng.standard_normal((spec.clip_dim,), dtype=np.float32),
+        )
+    else:
+        field = "data.path" if split == "train" else "data.val_path"
+        path = config.data.path if split == "train" else config.data.val_path
+        if not path:
+            raise ValueError(
+                f"{field} is empty: set it to a shard folder written by `python -m flux_jax.prepare`"
+            )
+        source = shards.ShardSource(path, spec)
+        # The empty encodings live beside the training shards; validation never drops captions.
+        empty = shards.read_empty_encodings(path, spec) if split == "train" and cfg_p > 0 else None
+    ds = build_dataset(
+        source,
+        seed=int(config.seed),
+        split=split,
+        per_host_batch=batch,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=bool(config.data.shuffle),
+        cfg_dropout_prob=cfg_p,
+        empty=empty,
+        num_workers=int(config.data.num_workers),
+    )
+    return iter(ds)
