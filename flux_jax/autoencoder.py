@@ -6,6 +6,7 @@ upsampling, GroupNorm + swish + conv_out. Only the decoder is needed to look at 
 """
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -117,6 +118,7 @@ class Decoder(nn.Module):
         return self(z / self.params.scale_factor + self.params.shift_factor)
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def decode_nchw(variables, z_nchw, params: DecoderParams = FLUX_AE):
     """FLUX-scaled latents (B, z, h, w) -> NHWC images (B, H, W, 3), values about [-1, 1]."""
     z = jnp.transpose(jnp.asarray(z_nchw, jnp.float32), (0, 2, 3, 1))
