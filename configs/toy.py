@@ -44,10 +44,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.micro_batch_size = 16  # per data-parallel replica per forward/backward
     c.global_batch_size = 16  # per optimizer step; > micro * dp means gradient accumulation
-    c.train_iters = 150  # optimizer steps
+    c.train_iters = 60  # optimizer steps
     c.lr = 1e-3  # peak learning rate
     c.min_lr = 1e-4  # cosine floor
-    c.lr_warmup_iters = 20  # linear warmup from 0
+    c.lr_warmup_iters = 10  # linear warmup from 0
     c.lr_decay_style = "cosine"  # "constant" | "cosine" (to min_lr at train_iters)
     c.weight_decay = 0.01  # AdamW decoupled decay, not applied to biases, norm scales, 1-D params
     c.adam_beta1 = 0.9  # AdamW beta1
@@ -55,9 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.adam_eps = 1e-8  # AdamW epsilon
     c.clip_grad = 1.0  # global-norm gradient clipping (0 disables)
 
-    c.save_interval = 150  # steps between checkpoints (and one at the end)
+    c.save_interval = 60  # steps between checkpoints (and one at the end)
     c.log_interval = 10  # steps between metrics.jsonl / TensorBoard lines
-    c.eval_interval = 75  # steps between validation passes (and one at the end); 0 disables
+    c.eval_interval = 30  # steps between validation passes (and one at the end); 0 disables
     c.eval_iters = 4  # validation batches per pass (each spreads over the 8 timesteps)
 
     c.timestep_sampling = "logit_normal"  # "uniform" | "logit_normal" | "mode"

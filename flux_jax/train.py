@@ -193,7 +193,7 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
             (loss, grads, new_meta), _ = jax.lax.scan(body, init, micro_batches)
             loss = loss / num_micro
             grads = jax.tree.map(lambda g: g / num_micro, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -288,9 +288,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         opt_state = jax.jit(tx.init)(params)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
     state |= {"fp8_meta": fp8_meta, "rng": step_rng}
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    batch_sh = sharding.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # Scalars (step, rng, optimizer counts) start on one device; every leaf must live on the mesh.
+    state_shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated, state
+    )
+    state = jax.device_put(state, state_shardings)
+    batch_sh = sharding.batch_sharding(mesh)
 
     # ---- Checkpoint ---------------------------------------------------------------------------
     ckpt = checkpoint.Checkpointer(workdir, config)

@@ -1,0 +1,63 @@
+import importlib
+import re
+
+import pytest
+
+from flux_jax import train
+
+CONFIGS = ("toy", "flux_535m", "flux_12b")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("arg", [None, "fp8"])
+def test_config_is_valid(name, arg):
+    config = importlib.import_module(f"configs.{name}").get_config(arg)
+    train.validate_config(config)
+    assert (config.fp8 is not None) == (arg == "fp8")
+    fp = train.flux_params(config)
+    assert fp.hidden_size % fp.num_heads == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_unknown_arg_names_file(name):
+    with pytest.raises(ValueError, match=f"configs/{name}.py"):
+        importlib.import_module(f"configs.{name}").get_config("fp4")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_field_commented(name):
+    with open(f"configs/{name}.py") as f:
+        fields = [line for line in f if re.match(r"    c\.[\w.]+ = ", line) and "ConfigDict()" not in line]
+    assert fields
+    assert [line for line in fields if "#" not in line] == []
+
+
+def test_recipes_follow_primus_and_mlperf():
+    bf16 = importlib.import_module("configs.flux_535m").get_config()
+    f8 = importlib.import_module("configs.flux_535m").get_config("fp8")
+    assert (bf16.micro_batch_size, bf16.global_batch_size, f8.micro_batch_size, f8.global_batch_size) == (
+        2,
+        16,
+        4,
+        32,
+    )
+    assert (f8.fp8, f8.fp8_amax_history_len, f8.fp8_amax_compute_algo, f8.fp8_margin) == (
+        "e4m3",
+        1024,
+        "most_recent",
+        0,
+    )
+    big = importlib.import_module("configs.flux_12b").get_config("fp8")
+    assert (big.lr, big.lr_warmup_iters, big.lr_decay_style, big.weight_decay) == (
+        2e-4,
+        1600,
+        "constant",
+        0.1,
+    )
+    assert (big.adam_beta2, big.adam_eps, big.timestep_sampling, big.data.cfg_dropout_prob) == (
+        0.95,
+        1e-8,
+        "uniform",
+        0.1,
+    )
+    assert big.fp8 == "hybrid"

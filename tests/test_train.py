@@ -1,0 +1,167 @@
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import toy as toy_config
+from flux_jax import metrics, model, optim, toy, train
+
+
+def _tiny_config(**overrides):
+    c = toy_config.get_config()
+    c.model.preset = "tiny"
+    c.data.image_size = 32  # 4 image tokens
+    c.data.txt_len = 4
+    c.micro_batch_size = 1
+    c.global_batch_size = 8
+    c.mesh.data = -1
+    c.train_iters = 3
+    c.lr_warmup_iters = 1
+    c.log_interval = 1
+    c.eval_interval = 3
+    c.eval_iters = 1
+    c.save_interval = 3
+    c.checkpoint.async_save = False
+    for k, v in overrides.items():
+        target = c
+        *path, leaf = k.split(".")
+        for p in path:
+            target = target[p]
+        target[leaf] = v
+    return c
+
+
+def _lines(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_bf16_end_to_end_and_resume(tmp_path):
+    workdir = str(tmp_path)
+    result = train.train_and_evaluate(_tiny_config(), workdir)
+    assert result["steps"] == 3 and np.isfinite(result["train_loss"]) and np.isfinite(result["val_loss"])
+    lines = _lines(workdir)
+    train_lines = [x for x in lines if x["split"] == "train"]
+    assert [x["step"] for x in train_lines] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "lr", "steps_per_sec", "images_per_sec", "nonfinite_skipped"):
+        assert key in train_lines[-1]
+    val = [x for x in lines if x["split"] == "val"][-1]
+    assert all(f"loss_t{k}" in val for k in range(8))
+    assert json.load(open(os.path.join(workdir, "config.json")))["model"]["preset"] == "tiny"
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
+    # Resuming continues from the saved step instead of starting over.
+    resumed = train.train_and_evaluate(_tiny_config(train_iters=4), workdir)
+    assert resumed["steps"] == 4
+    assert [x["step"] for x in _lines(workdir) if x["split"] == "train"][3:] == [4]
+
+
+def test_train_fp8_end_to_end(tmp_path):
+    result = train.train_and_evaluate(_tiny_config(fp8="e4m3", train_iters=2, eval_interval=0), str(tmp_path))
+    assert result["fp8"] and np.isfinite(result["train_loss"])
+    last = _lines(str(tmp_path))[-1]
+    assert last["scale_min"] > 0 and last["amax_max"] > 0
+
+
+def _step_setup(config, batch_size):
+    fp = train.flux_params(config)
+    net = train.make_model(config, fp, use_fp8=False)
+    pipe = toy.ToyPipeline(
+        seed=0,
+        split="train",
+        batch_size=batch_size,
+        image_size=config.data.image_size,
+        txt_len=config.data.txt_len,
+        context_in_dim=fp.context_in_dim,
+        vec_in_dim=fp.vec_in_dim,
+    )
+    batch = {k: jnp.asarray(v) for k, v in next(pipe).items()}
+    args = (batch["img"][:1], batch["img_ids"][:1], batch["txt"][:1], batch["txt_ids"][:1])
+    params = net.init(jax.random.key(0), *args, jnp.zeros((1,)), batch["y"][:1])["params"]
+    return net, params, batch
+
+
+def _state(params, tx):
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "fp8_meta": {},
+        "rng": jax.random.key(1),
+    }
+
+
+def test_gradient_accumulation_matches_large_batch():
+    config = _tiny_config()
+    net, params, batch = _step_setup(config, 8)
+    tx = optax.sgd(1.0)  # a linear update keeps the comparison about gradients, not Adam's sign
+    big = train.make_train_step(config, net, tx, num_micro=1, use_fp8=False)
+    config.micro_batch_size = 2
+    acc = train.make_train_step(config, net, tx, num_micro=4, use_fp8=False)
+    s1, m1 = jax.jit(big)(_state(params, tx), batch)
+    s4, m4 = jax.jit(acc)(_state(params, tx), batch)
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
+    assert float(m1["grad_norm"]) > 0
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_nonfinite_step_is_skipped():
+    config = _tiny_config()
+    net, params, batch = _step_setup(config, 2)
+    tx = optim.make_optimizer(config)
+    step = jax.jit(train.make_train_step(config, net, tx, num_micro=1, use_fp8=False))
+    bad = batch | {"img": batch["img"].at[0, 0, 0].set(jnp.nan)}
+    state, m = step(_state(params, tx), bad)
+    assert not bool(m["finite"])
+    assert int(state["step"]) == 1
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    _, m = step(state, batch)
+    assert bool(m["finite"])
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("fp8_recipe", "fancy"),
+        ("fp8_amax_history_len", 0),
+        ("global_batch_size", 12),
+        ("lr_decay_style", "linear"),
+        ("timestep_sampling", "cosine"),
+        ("model.preset", "huge"),
+        ("data.source", "web"),
+        ("on_nonfinite", "ignore"),
+        ("adam_beta2", 1.0),
+        ("data.cfg_dropout_prob", 1.5),
+    ],
+)
+def test_invalid_config_names_field(field, value, tmp_path):
+    overrides = {field: value} | ({"fp8": "e4m3"} if field.startswith("fp8_") else {})
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        train.train_and_evaluate(_tiny_config(**overrides), str(tmp_path))
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_lr_schedule_and_decay_mask():
+    config = _tiny_config(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, train_iters=110)
+    sched = optim.lr_schedule(config)
+    np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(110)], [0, 5e-4, 1e-3, 1e-4], rtol=1e-5)
+    config.lr_decay_style = "constant"
+    np.testing.assert_allclose(optim.lr_schedule(config)(100), 1e-3)
+    mask = optim.decay_mask(
+        {"a": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}}
+    )
+    assert mask == {"a": {"kernel": True, "bias": False}, "norm": {"scale": False}}
+
+
+def test_flops_formula_matches_mlperf_figure():
+    # MLPerf's MODEL_TFLOP_PER_SAMPLE for FLUX.1-schnell at 256 px is 20.3.
+    flops = metrics.train_flops_per_sample(model.PRESETS["flux-schnell"], 256, 256)
+    assert abs(flops / 1e12 - 20.3) < 0.5
+    assert metrics.peak_flops("NVIDIA H200", fp8=True) == 1979e12
+    assert metrics.peak_flops("cpu", fp8=False) is None
