@@ -31,7 +31,7 @@ _FP8 = "fp8_meta"
 
 
 def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def _flat(tree) -> dict[str, Any]:
@@ -327,11 +327,12 @@ def _place(tree, abstract):
     return jax.tree.map(put, tree, abstract)
 
 
-def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False):
+def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False, dot_general_policy=None):
     """Initial params for config.init_from, placed on abstract_params' shardings.
 
     `path`: a BFL or diffusers .safetensors file, a diffusers transformer/ folder (or its parent),
     or a flux_jax workdir / checkpoint directory (params only; optimizer state starts fresh).
+    With scan_blocks, pass the model's dot_general_policy so the stacked block segments match.
     """
     p = epath.Path(path)
     field = f"config.init_from={path!s}"
@@ -356,9 +357,9 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
         )
     from flux_jax import convert
 
-    params = convert.load_torch_state_dict(_read_safetensors(files), flux_params, scan_blocks=scan_blocks)[
-        "params"
-    ]
+    state_dict = _read_safetensors(files)
+    variables = convert.load_torch_state_dict(state_dict, flux_params, scan_blocks, dot_general_policy)
+    params = variables["params"]
     bad = shape_mismatches(abstract_params, params)
     if bad:
         raise ValueError(
