@@ -42,16 +42,40 @@ ApplyFn = Callable[..., jax.Array]
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def denoise(apply_fn: ApplyFn, variables, noise_packed, img_ids, txt, txt_ids, y, timesteps, guidance=None):
-    """Integrates the velocity field from timesteps[0] (noise) to timesteps[-1] with Euler steps."""
+def denoise(
+    apply_fn: ApplyFn,
+    variables,
+    noise_packed,
+    img_ids,
+    txt,
+    txt_ids,
+    y,
+    timesteps,
+    guidance=None,
+    uncond=None,
+    cfg_scale=1.0,
+):
+    """Integrates the velocity field from timesteps[0] (noise) to timesteps[-1] with Euler steps.
+
+    `uncond=(txt, y)` turns on classifier-free guidance, pred = u + cfg_scale * (c - u), for models
+    trained with caption dropout; both halves go through one batched model call.
+    """
     b = noise_packed.shape[0]
     guidance_vec = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
+    if uncond is not None:
+        txt = jnp.concatenate([txt, jnp.broadcast_to(uncond[0], txt.shape)])
+        y = jnp.concatenate([y, jnp.broadcast_to(uncond[1], y.shape)])
+        img_ids, txt_ids = jnp.concatenate([img_ids, img_ids]), jnp.concatenate([txt_ids, txt_ids])
+        guidance_vec = None if guidance_vec is None else jnp.concatenate([guidance_vec, guidance_vec])
 
     def step(img, ts):
         t_curr, t_prev = ts
-        t_vec = jnp.full((b,), t_curr, jnp.float32)
-        pred = apply_fn(variables, img, img_ids, txt, txt_ids, t_vec, y, guidance_vec)
-        return img + (t_prev - t_curr) * pred.astype(img.dtype), None
+        x = img if uncond is None else jnp.concatenate([img, img])
+        t_vec = jnp.full((x.shape[0],), t_curr, jnp.float32)
+        pred = apply_fn(variables, x, img_ids, txt, txt_ids, t_vec, y, guidance_vec).astype(img.dtype)
+        if uncond is not None:
+            pred = pred[b:] + cfg_scale * (pred[:b] - pred[b:])
+        return img + (t_prev - t_curr) * pred, None
 
     pairs = jnp.stack([timesteps[:-1], timesteps[1:]], axis=-1)
     img, _ = jax.lax.scan(step, noise_packed.astype(jnp.float32), pairs)
@@ -147,6 +171,17 @@ def _conditioning(config, fp, num_images: int, prompts: list[str] | None):
     return names, np.asarray(batch["txt"]), np.asarray(batch["y"]), size
 
 
+def _empty_caption(config, txt, y):
+    """The encodings training swapped in for dropped captions: stored ones for shards, else zeros."""
+    if config.data.source == "shards":
+        from flux_jax import data, shards
+
+        t5, clip = shards.read_empty_encodings(config.data.path, data.record_spec(config))
+        return jnp.asarray(t5)[None], jnp.asarray(clip)[None]
+    # The toy and mock pipelines drop captions by zeroing txt and y.
+    return jnp.zeros_like(txt[:1]), jnp.zeros_like(y[:1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flux_jax.sample")
     parser.add_argument("--workdir", required=True, help="training workdir holding checkpoints/")
@@ -163,6 +198,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--ae", default=None, help="BFL ae.safetensors or diffusers vae folder (non-toy data)"
     )
+    parser.add_argument("--cfg_scale", type=float, default=1.0, help=">1: CFG against empty (zero) captions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -193,6 +229,7 @@ def main(argv=None) -> None:
     shift = fp.guidance_embed if args.shift == "auto" else args.shift == "on"
     num_steps = args.num_steps or (50 if shift else 4)
     noise = jax.random.normal(jax.random.key(args.seed), (n, seq_len, fp.in_channels), jnp.float32)
+    uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, txt, y)
     img_ids = jnp.broadcast_to(jnp.asarray(toy.img_ids(size, size)), (n, seq_len, 3))
     out = denoise(
         flux_apply_fn(flux),
@@ -204,6 +241,8 @@ def main(argv=None) -> None:
         jnp.asarray(y),
         get_schedule(num_steps, seq_len, shift),
         args.guidance if fp.guidance_embed else None,
+        uncond,
+        args.cfg_scale,
     )
     latents = np.asarray(unpack(out, size, size))
     if args.ae:

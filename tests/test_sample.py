@@ -67,6 +67,21 @@ def test_linear_velocity_recovers_data_and_sees_time_and_guidance():
     assert seen, "apply_fn was never traced"
 
 
+def test_classifier_free_guidance_combines_cond_and_uncond():
+    def apply_fn(variables, img, img_ids, txt, txt_ids, t, y, guidance):
+        # A velocity that depends only on the caption: its mean over tokens and features.
+        v = jnp.mean(txt, axis=(1, 2)) + jnp.mean(y, axis=1)
+        return jnp.broadcast_to(v[:, None, None], img.shape)
+
+    inputs = _inputs()
+    inputs["txt"] = jnp.full(inputs["txt"].shape, 2.0)
+    uncond = (jnp.full((1, 3, 8), 0.5), jnp.zeros((1, 8)))
+    ts = sample.get_schedule(4, 256, shift=False)
+    out = sample.denoise(apply_fn, {}, timesteps=ts, uncond=uncond, cfg_scale=3.0, **inputs)
+    want = inputs["noise_packed"] - (0.5 + 3.0 * (2.0 - 0.5))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_unpack_inverts_pack():
     lat = np.random.default_rng(3).standard_normal((2, 16, 6, 10)).astype(np.float32)
     packed = toy.pack(lat)
@@ -154,7 +169,7 @@ def test_cli_samples_from_checkpoint(tmp_path, tiny_dev):
     # The CLI must take the model from the checkpoint's saved config, not the file's "toy" preset.
     sample.main(
         ["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--num_steps", "2"]
-        + ["--num_images", str(B), "--out", str(out)]
+        + ["--num_images", str(B), "--out", str(out), "--cfg_scale", "2.0"]
     )
     assert sorted(os.listdir(out)) == ["000.png", "001.png", "grid.png", "prompts.txt"]
     from PIL import Image
