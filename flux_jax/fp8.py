@@ -1,0 +1,237 @@
+"""FP8 formats, platform detection, config validation and the per-site dot_general policy.
+
+The dot itself (scaling math, custom VJP, state module) is in ``flux_jax.fp8_dot``.
+
+Policy choice: only transformer blocks run FP8. The embedders (img_in, txt_in, time_in,
+vector_in, guidance_in) and final_layer stay BF16: they are a tiny share of the FLOPs, their
+K or N is small (64, 256, 768) so an FP8 GEMM gains nothing, and they sit at the model's
+numerically sensitive boundary, as in Primus / Transformer Engine recipes.
+"""
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flux_jax.fp8_dot import (
+    AMAX_ALGOS,
+    FP8_COLLECTION,
+    RECIPES,
+    Fp8DotGeneral,
+    Fp8Spec,
+    as_max_grad,
+    from_max_grad,
+)
+
+__all__ = [
+    "FP8_COLLECTION",
+    "Fp8DotGeneral",
+    "Fp8Spec",
+    "DeviceDescription",
+    "as_max_grad",
+    "from_max_grad",
+    "describe_device",
+    "format_family",
+    "fp8_dtypes",
+    "supports_fp8_gemm",
+    "supports_block_scaled_gemm",
+    "spec_from_config",
+    "make_policy",
+    "validate_config",
+    "merge_states",
+    "summarize",
+]
+
+FORMATS = ("e4m3", "hybrid")
+FAMILIES = ("auto", "ocp", "fnuz")
+_DTYPES = {
+    "ocp": (jnp.float8_e4m3fn, jnp.float8_e5m2),
+    "fnuz": (jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDescription:
+    """What FP8 decisions depend on: ``platform`` ("cpu"|"gpu"|"cuda"|"rocm"|...), strings from
+    the device (``device_kind``, ``compute_capability``: "9.0" on CUDA, "gfx942" on ROCm)."""
+
+    platform: str
+    device_kind: str = ""
+    compute_capability: str = ""
+
+
+def describe_device(device=None) -> DeviceDescription:
+    device = device or jax.devices()[0]
+    platform = device.platform
+    client = getattr(device, "client", None)
+    version = str(getattr(client, "platform_version", "")).lower()
+    if platform == "gpu":
+        platform = "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return DeviceDescription(
+        platform=platform,
+        device_kind=str(getattr(device, "device_kind", "")),
+        compute_capability=str(getattr(device, "compute_capability", "") or ""),
+    )
+
+
+def _gfx(desc: DeviceDescription) -> str | None:
+    m = re.search(r"gfx[0-9a-f]+", f"{desc.compute_capability} {desc.device_kind}".lower())
+    return m.group(0) if m else None
+
+
+def _cuda_cc(desc: DeviceDescription) -> tuple[int, int] | None:
+    m = re.match(r"\s*(\d+)\.(\d+)", desc.compute_capability)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _is_rocm(desc: DeviceDescription) -> bool:
+    return desc.platform in ("rocm", "hip") or _gfx(desc) is not None
+
+
+def format_family(desc: DeviceDescription, requested: str = "auto") -> str:
+    """ "fnuz" on gfx94x (MI300X/MI325X), "ocp" elsewhere (gfx950, gfx12, NVIDIA, CPU)."""
+    if requested != "auto":
+        return requested
+    gfx = _gfx(desc)
+    return "fnuz" if gfx is not None and gfx.startswith("gfx94") else "ocp"
+
+
+def fp8_dtypes(fmt: str, family: str) -> tuple[Any, Any]:
+    """(forward dtype, gradient dtype) for a format ("e4m3"|"hybrid") and family."""
+    e4m3, e5m2 = _DTYPES[family]
+    return (e4m3, e5m2) if fmt == "hybrid" else (e4m3, e4m3)
+
+
+def supports_fp8_gemm(desc: DeviceDescription) -> bool:
+    """Whether XLA has an FP8 GEMM for this device. CPU runs FP8 dots emulated (tests, CI)."""
+    if desc.platform == "cpu":
+        return True
+    if _is_rocm(desc):
+        gfx = _gfx(desc) or ""
+        return gfx.startswith(("gfx94", "gfx95", "gfx12"))
+    cc = _cuda_cc(desc)
+    return cc is not None and cc >= (8, 9)
+
+
+def supports_block_scaled_gemm(desc: DeviceDescription) -> bool:
+    if _is_rocm(desc):
+        return (_gfx(desc) or "").startswith("gfx950")
+    cc = _cuda_cc(desc)
+    return desc.platform not in ("cpu",) and cc is not None and cc >= (10, 0)
+
+
+def _get(config, name, default=None):
+    return config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+
+
+def validate_config(config, desc: DeviceDescription | None = None) -> None:
+    """Raise one ValueError naming the bad FP8 field and the fix; no-op when config.fp8 is None."""
+    fmt = _get(config, "fp8")
+    if fmt is None:
+        return
+    if fmt not in FORMATS:
+        raise ValueError(f"config.fp8={fmt!r} is not a format; use one of {FORMATS} or None for BF16.")
+    recipe = _get(config, "fp8_recipe", "delayed")
+    if recipe not in RECIPES:
+        raise ValueError(f"config.fp8_recipe={recipe!r} is unknown; use one of {RECIPES}.")
+    family = _get(config, "fp8_format_family", "auto")
+    if family not in FAMILIES:
+        raise ValueError(f"config.fp8_format_family={family!r} is unknown; use one of {FAMILIES}.")
+    hist = _get(config, "fp8_amax_history_len", 1024)
+    if not isinstance(hist, int) or hist < 1:
+        raise ValueError(f"config.fp8_amax_history_len={hist!r} must be an integer >= 1 (e.g. 1024).")
+    margin = _get(config, "fp8_margin", 0)
+    if margin is None or margin < 0:
+        raise ValueError(f"config.fp8_margin={margin!r} must be >= 0 (0 is the usual value).")
+    algo = _get(config, "fp8_amax_compute_algo", "max")
+    if algo not in AMAX_ALGOS:
+        raise ValueError(f"config.fp8_amax_compute_algo={algo!r} is unknown; use one of {AMAX_ALGOS}.")
+    desc = desc or describe_device()
+    if not supports_fp8_gemm(desc):
+        raise ValueError(
+            f"config.fp8={fmt!r} but this device ({desc.platform} {desc.device_kind!r}, compute "
+            f"capability {desc.compute_capability!r}) has no FP8 GEMMs (needs CUDA cc >= 8.9 or "
+            "ROCm gfx942/gfx950); set config.fp8=None to train in BF16."
+        )
+    if recipe in ("blockwise", "mxfp8") and not supports_block_scaled_gemm(desc):
+        raise ValueError(
+            f"config.fp8_recipe={recipe!r} needs block-scaled GEMMs (NVIDIA Blackwell or AMD "
+            f"gfx950); this device is {desc.platform} {desc.device_kind!r}. Use "
+            "fp8_recipe='delayed', 'tensorwise' or 'rowwise'."
+        )
+
+
+def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:
+    desc = desc or describe_device()
+    family = format_family(desc, _get(config, "fp8_format_family", "auto"))
+    fwd, bwd = fp8_dtypes(_get(config, "fp8"), family)
+    return Fp8Spec(
+        fwd_dtype=fwd,
+        bwd_dtype=bwd,
+        recipe=_get(config, "fp8_recipe", "delayed"),
+        amax_history_len=int(_get(config, "fp8_amax_history_len", 1024)),
+        amax_compute_algo=_get(config, "fp8_amax_compute_algo", "max"),
+        margin=float(_get(config, "fp8_margin", 0)),
+        wgrad=bool(_get(config, "fp8_wgrad", True)),
+    )
+
+
+def block_sites(flux_params) -> list[str]:
+    """Block site names in execution order: double blocks, then single blocks."""
+    return [f"double_blocks.{i}" for i in range(flux_params.depth)] + [
+        f"single_blocks.{i}" for i in range(flux_params.depth_single_blocks)
+    ]
+
+
+def make_policy(
+    config, flux_params, desc: DeviceDescription | None = None
+) -> Callable[[str], Callable[[], Any] | None] | None:
+    """site -> zero-arg Fp8DotGeneral factory, or None for plain BF16; None when config.fp8 is None."""
+    if _get(config, "fp8") is None:
+        return None
+    desc = desc or describe_device()
+    validate_config(config, desc)
+    spec = spec_from_config(config, desc)
+    sites = block_sites(flux_params)
+    bf16 = set()
+    if _get(config, "first_last_layers_bf16", False):
+        start = int(_get(config, "num_layers_at_start_in_bf16", 0) or 0)
+        end = int(_get(config, "num_layers_at_end_in_bf16", 0) or 0)
+        bf16 = set(sites[:start]) | set(sites[len(sites) - end :] if end else [])
+    fp8_sites = frozenset(s for s in sites if s not in bf16)
+    factory = functools.partial(Fp8DotGeneral, spec=spec)
+
+    def policy(site: str):
+        return factory if site in fp8_sites else None
+
+    return policy
+
+
+def merge_states(a, b):
+    """Elementwise max of two fp8_meta trees (amax from several microbatches combines by max)."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def _leaves_named(tree, suffix):
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [v for path, v in flat if str(getattr(path[-1], "key", path[-1])).endswith(suffix)]
+
+
+def summarize(fp8_meta: Mapping) -> dict[str, float]:
+    """Scalars for logging: smallest/largest scale and the largest recorded amax."""
+    scales = _leaves_named(fp8_meta, "_scale")
+    hists = _leaves_named(fp8_meta, "_amax_history")
+    if not scales:
+        return {}
+    out = {
+        "scale_min": float(min(np.min(np.asarray(s)) for s in scales)),
+        "scale_max": float(max(np.max(np.asarray(s)) for s in scales)),
+    }
+    if hists:
+        out["amax_max"] = float(max(np.max(np.asarray(h)) for h in hists))
+    return out

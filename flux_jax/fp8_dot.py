@@ -1,0 +1,254 @@
+"""FP8 dot_general for Flax: scaling math, the custom-VJP matmul and its state module.
+
+The GEMMs take FP8 operands straight into ``lax.dot_general`` (with ``preferred_element_type``) and
+multiply the result by scalar scales afterwards: that is the form XLA rewrites into a cuBLASLt /
+hipBLASLt FP8 GEMM. A quantize-dequantize formulation is easily broken by other XLA passes and
+silently falls back to a 16-bit dot.
+
+Scale convention: ``scale`` is the divisor, ``q = clip(x / scale, -max, max)``, ``x ~= q * scale``.
+State lives in the ``fp8_meta`` collection; its new value is returned as the cotangent of the old
+one (overwrite-with-gradient), so the train step takes it from the gradient tree.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+from jax import lax
+
+FP8_COLLECTION = "fp8_meta"
+OPERANDS = ("input", "kernel", "output_grad")
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+AMAX_ALGOS = ("most_recent", "max")
+# An extended float32 dtype whose cotangents combine by max: several uses of one fp8_meta leaf
+# (a shared module, a broadcast scan) must keep the largest amax, not the sum.
+MAX_GRAD_DTYPE = fp8_ops.fp32_max_grad
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """Static description of one FP8 dot: dtypes and recipe parameters."""
+
+    fwd_dtype: Any = jnp.float8_e4m3fn
+    bwd_dtype: Any = jnp.float8_e5m2
+    recipe: str = "delayed"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: float = 0.0
+    wgrad: bool = True
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def amax_of(x) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_from_amax(amax, old_scale, dtype, margin):
+    """Divisor scale mapping ``amax`` to the format max; keeps ``old_scale`` if amax is unusable."""
+    new = amax * (2.0**margin) / fp8_max(dtype)
+    usable = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(usable, new, old_scale).astype(jnp.float32)
+
+
+def history_amax(history, algo):
+    if algo == "most_recent":
+        return history[0]
+    return jnp.max(history)
+
+
+def push_history(history, amax):
+    """Roll the window by one and put the newest amax at index 0."""
+    return jnp.roll(history, -1).at[0].set(amax)
+
+
+def quantize(x, dtype, scale):
+    m = fp8_max(dtype)
+    scaled = x.astype(jnp.float32) / scale
+    return jnp.clip(scaled, -m, m).astype(dtype)
+
+
+def tensor_state_update(x, history, scale, dtype, spec: Fp8Spec):
+    """Returns (scale to quantize with now, new history, new scale) for a per-tensor recipe.
+
+    Delayed scaling reads the history *before* the current amax goes in; tensorwise scales by
+    the current amax but still records it so summaries and a later recipe switch see real data.
+    """
+    amax = amax_of(x)
+    if spec.recipe == "tensorwise":
+        use = scale_from_amax(amax, scale, dtype, spec.margin)
+    else:
+        use = scale_from_amax(history_amax(history, spec.amax_compute_algo), scale, dtype, spec.margin)
+    return use, push_history(history, amax), use
+
+
+def _fp8_dot(a, b, sa, sb, out_dtype):
+    """(M,K) fp8 @ (K,N) fp8 with scalar scales folded onto the output."""
+    out = lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    return out * (sa * sb).astype(out_dtype)
+
+
+def rowwise_quantize(x, dtype, axis):
+    """Quantize with one scale per slice along ``axis`` (the contracted axis), keepdims."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
+    return quantize(x, dtype, scale), scale
+
+
+def rowwise_matmul(a, b, dtype_a, dtype_b, out_dtype):
+    """(M,K) @ (K,N): per-row scales of a, per-column scales of b, applied to the GEMM output."""
+    qa, sa = rowwise_quantize(a, dtype_a, 1)
+    qb, sb = rowwise_quantize(b, dtype_b, 0)
+    out = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * sa * sb).astype(out_dtype)
+
+
+def _plain_dot(a, b, out_dtype):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fp8_matmul(x, w, meta, spec: Fp8Spec, out_dtype, max_grad: bool = False):
+    """y = x @ w for 2-D x (M,K), w (K,N) in FP8; ``meta`` is the dict of six state arrays.
+
+    ``max_grad``: meta arrives in MAX_GRAD_DTYPE and its cotangent (the new state) goes back in it.
+    """
+    return _fp8_matmul_fwd(x, w, meta, spec, out_dtype, max_grad)[0]
+
+
+def _fp8_matmul_fwd(x, w, meta, spec: Fp8Spec, out_dtype, max_grad=False):
+    if max_grad:
+        meta = from_max_grad(meta)
+    if spec.recipe == "rowwise":
+        y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
+        new = dict(meta)
+        for name, v in (("input", x), ("kernel", w)):
+            amax = amax_of(v)
+            new[f"{name}_amax_history"] = push_history(meta[f"{name}_amax_history"], amax)
+            new[f"{name}_scale"] = scale_from_amax(amax, meta[f"{name}_scale"], spec.fwd_dtype, 0.0)
+        return y, (x, w, new)
+    new = dict(meta)
+    qs = {}
+    for name, v in (("input", x), ("kernel", w)):
+        use, hist, scale = tensor_state_update(
+            v, meta[f"{name}_amax_history"], meta[f"{name}_scale"], spec.fwd_dtype, spec
+        )
+        new[f"{name}_amax_history"], new[f"{name}_scale"] = hist, scale
+        qs[name] = (quantize(v, spec.fwd_dtype, use), use)
+    (qx, sx), (qw, sw) = qs["input"], qs["kernel"]
+    y = _fp8_dot(qx, qw, sx, sw, out_dtype)
+    # Without an FP8 wgrad the weight-gradient GEMM needs the 16-bit activation.
+    saved_x = (qx, sx) if spec.wgrad else (x, None)
+    return y, (saved_x, (qw, sw), new)
+
+
+def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, res, g):
+    dx, dw, new = _fp8_matmul_grads(spec, out_dtype, res, g)
+    return dx, dw, as_max_grad(new) if max_grad else new
+
+
+def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
+    if spec.recipe == "rowwise":
+        x, w, new = res
+        gd = spec.bwd_dtype
+        dx = rowwise_matmul(g, w.T, gd, spec.fwd_dtype, x.dtype)
+        if spec.wgrad:
+            dw = rowwise_matmul(x.T, g, spec.fwd_dtype, gd, w.dtype)
+        else:
+            dw = _plain_dot(x.T, g.astype(x.dtype), w.dtype)
+        amax = amax_of(g)
+        new = dict(new)
+        new["output_grad_amax_history"] = push_history(new["output_grad_amax_history"], amax)
+        new["output_grad_scale"] = scale_from_amax(amax, new["output_grad_scale"], gd, 0.0)
+        return dx, dw, new
+    (sx_val, sx), (qw, sw), new = res
+    new = dict(new)
+    use, hist, scale = tensor_state_update(
+        g, new["output_grad_amax_history"], new["output_grad_scale"], spec.bwd_dtype, spec
+    )
+    new["output_grad_amax_history"], new["output_grad_scale"] = hist, scale
+    qg = quantize(g, spec.bwd_dtype, use)
+    dx = _fp8_dot(qg, qw.T, use, sw, out_dtype)
+    if spec.wgrad:
+        dw = _fp8_dot(sx_val.T, qg, sx, use, out_dtype)
+    else:
+        dw = _plain_dot(sx_val.T, g.astype(sx_val.dtype), out_dtype)
+    return dx, dw, new
+
+
+fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def dense_layout(lhs_ndim, rhs_ndim, dimension_numbers):
+    """Number of contracted axes when the dot is a plain dense: lhs trailing axes @ rhs leading axes.
+
+    Returns None for any other layout (batch dims, permuted contraction).
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    n = len(lc)
+    if lb or rb or n == 0 or len(rc) != n:
+        return None
+    if tuple(lc) != tuple(range(lhs_ndim - n, lhs_ndim)) or tuple(rc) != tuple(range(n)):
+        return None
+    if rhs_ndim <= n:
+        return None
+    return n
+
+
+def as_max_grad(tree):
+    """Cast fp8_meta leaves to the max-combining dtype; do it once, inside the differentiated fn."""
+    return jax.tree.map(lambda v: lax.convert_element_type(v, MAX_GRAD_DTYPE), tree)
+
+
+def from_max_grad(tree):
+    return jax.tree.map(lambda v: lax.convert_element_type(v, jnp.float32), tree)
+
+
+class Fp8DotGeneral(nn.Module):
+    """Drop-in for ``lax.dot_general`` in ``nn.Dense(dot_general_cls=...)`` running FP8 GEMMs."""
+
+    spec: Fp8Spec = Fp8Spec()
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        del precision  # FP8 GEMMs have one precision.
+        spec = self.spec
+        out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+        if spec.recipe in ("blockwise", "mxfp8"):
+            # Block scales are computed per call; there is no state to carry.
+            return block_scaled_dot(lhs, rhs, dimension_numbers, out_dtype)
+        n_hist = max(1, spec.amax_history_len)
+        meta = {}
+        for name in OPERANDS:
+            h = self.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
+            s = self.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
+            meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
+        max_grad = all(v.dtype == MAX_GRAD_DTYPE for v in meta.values())
+        if not max_grad:
+            meta = jax.tree.map(lambda v: v.astype(jnp.float32), meta)
+        n = dense_layout(lhs.ndim, rhs.ndim, dimension_numbers)
+        if n is None:
+            raise ValueError(
+                f"Fp8DotGeneral supports dense layouts only (lhs trailing axes @ rhs leading axes, no "
+                f"batch dims); got dimension_numbers={dimension_numbers}. Keep this site in BF16."
+            )
+        batch_shape, out_shape = lhs.shape[: lhs.ndim - n], rhs.shape[n:]
+        x = lhs.reshape(-1, math.prod(lhs.shape[lhs.ndim - n :]))
+        w = rhs.reshape(x.shape[1], -1)
+        y = fp8_matmul(x, w, meta, spec, out_dtype, max_grad)
+        return y.reshape(*batch_shape, *out_shape)
+
+
+def block_scaled_dot(lhs, rhs, dimension_numbers, out_dtype):
+    """MXFP8 block-scaled GEMM (forward and both gradients) through jax.nn.scaled_dot_general."""
+    cfg = jax.nn.get_scaled_dot_general_config("mxfp8")
+    return jax.nn.scaled_dot_general(
+        lhs, rhs, dimension_numbers, preferred_element_type=out_dtype, configs=[cfg, cfg, cfg]
+    )

@@ -1,0 +1,32 @@
+import jax
+import pytest
+
+from flux_jax import doctor
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def test_count_fp8_gemms_parses_hlo_lines():
+    hlo = "\n".join(
+        [
+            "%c = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %a), "
+            'custom_call_target="__cublas$lt$matmul$f8"',
+            '%d = bf16[64,64]{1,0} custom-call(bf16[64,64] %a), custom_call_target="__cublas$lt$matmul"',
+            "%e = f32[8,8]{1,0} dot(f8e4m3fn[8,8]{1,0} %p, f8e5m2[8,8]{1,0} %q)",
+        ]
+    )
+    assert doctor.count_fp8_gemms(hlo) == 1
+    assert doctor.count_fp8_dots(hlo) == 1
+
+
+def test_report_on_this_machine():
+    r = doctor.report()
+    assert r["platform"] == jax.devices()[0].platform or r["platform"] in ("cuda", "rocm")
+    assert r["e4m3_dtype"].startswith("float8_e4m3")
+    if jax.default_backend() == "cpu":
+        assert r["fp8_gemms_compiled"] is False
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 GEMM custom calls only exist on a GPU backend")
+def test_gpu_compiles_fp8_gemms():
+    assert doctor.report()["fp8_gemm_custom_calls"] == 3
