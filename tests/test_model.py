@@ -1,0 +1,164 @@
+"""Flux model: preset shapes, scan/remat equivalence, the dot_general hook, errors."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flux_jax import convert
+from flux_jax.model import PRESETS, Flux, FluxParams, block_segments
+
+
+def _inputs(params: FluxParams, batch: int = 2, h: int = 2, w: int = 3, n_txt: int = 4):
+    rng = np.random.default_rng(0)
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    ids = np.stack([np.zeros_like(rows), rows, cols], -1).reshape(1, -1, 3).astype(np.float32)
+    return (
+        jnp.asarray(rng.normal(size=(batch, h * w, params.in_channels)), jnp.float32),
+        jnp.asarray(np.repeat(ids, batch, 0)),
+        jnp.asarray(rng.normal(size=(batch, n_txt, params.context_in_dim)), jnp.float32),
+        jnp.zeros((batch, n_txt, 3)),
+        jnp.asarray([0.2, 0.9][:batch]),
+        jnp.asarray(rng.normal(size=(batch, params.vec_in_dim)), jnp.float32),
+        jnp.asarray([3.5, 1.0][:batch]) if params.guidance_embed else None,
+    )
+
+
+def _random_variables(params: FluxParams, args):
+    """Init, then replace every param by noise: the zero-initialised gates would hide block bugs."""
+    variables = nn.unbox(Flux(params, dtype=jnp.float32).init(jax.random.key(0), *args))
+    leaves, tree = jax.tree_util.tree_flatten(variables)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    noisy = [0.1 * jax.random.normal(k, x.shape) + (x == 1) for k, x in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(tree, noisy)
+
+
+def _n_params(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_flux_dev_shapes_and_parameter_count():
+    params = PRESETS["flux-dev"]
+    args = jax.eval_shape(lambda: _inputs(params, batch=1))
+    shapes = jax.eval_shape(lambda *a: nn.unbox(Flux(params).init(jax.random.key(0), *a)), *args)["params"]
+    assert _n_params(shapes) == 11_901_408_320
+    assert shapes["double_blocks_18"]["img_attn"]["qkv"]["kernel"].shape == (3072, 9216)
+    assert shapes["double_blocks_0"]["txt_mlp_0"]["kernel"].shape == (3072, 12288)
+    assert shapes["single_blocks_37"]["linear1"]["kernel"].shape == (3072, 21504)
+    assert shapes["single_blocks_0"]["linear2"]["kernel"].shape == (15360, 3072)
+    assert shapes["final_layer"]["adaLN_modulation_1"]["kernel"].shape == (3072, 6144)
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(shapes))
+    schnell = PRESETS["flux-schnell"]
+    schnell_shapes = jax.eval_shape(lambda *a: Flux(schnell).init(jax.random.key(0), *a), *args[:-1])
+    assert "guidance_in" not in schnell_shapes["params"]
+
+
+def test_scan_and_remat_give_the_same_numbers_and_gradients():
+    params = dataclasses.replace(PRESETS["tiny-dev"], depth=2, depth_single_blocks=3)
+    args = _inputs(params)
+    variables = _random_variables(params, args)
+    scanned = convert.load_torch_state_dict(convert.export_bfl_state_dict(variables, params), params, True)
+
+    def loss(model, v):
+        return jnp.mean(model.apply(v, *args) ** 2)
+
+    ref_loss, ref_grad = jax.jit(jax.value_and_grad(lambda v: loss(Flux(params, jnp.float32), v)))(variables)
+    for scan, remat in [(True, None), (False, "full"), (True, "selective")]:
+        model = Flux(params, jnp.float32, scan_blocks=scan, remat=remat)
+        v = scanned if scan else variables
+        value, grad = jax.jit(jax.value_and_grad(lambda v, model=model: loss(model, v)))(v)
+        np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
+        grad_bfl = convert.export_bfl_state_dict(grad, params)
+        for k, g in convert.export_bfl_state_dict(ref_grad, params).items():
+            np.testing.assert_allclose(grad_bfl[k], g, rtol=2e-4, atol=1e-6, err_msg=k)
+
+
+def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
+    params = PRESETS["tiny"]
+    args = _inputs(params)
+    model = Flux(params)
+    variables = model.init(jax.random.key(0), *args)
+    out = model.apply(variables, *args)
+    assert out.shape == (2, 6, 64) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, 0.0)  # zero final layer: training starts at velocity 0
+    spec = nn.get_partition_spec(variables)["params"]
+    assert spec["double_blocks_0"]["img_attn"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "qkv")
+    assert spec["double_blocks_0"]["img_mod"]["lin"]["kernel"] == jax.sharding.PartitionSpec("embed", "mod")
+    assert spec["img_in"]["kernel"] == jax.sharding.PartitionSpec("in", "embed")
+    scanned_spec = nn.get_partition_spec(Flux(params, scan_blocks=True).init(jax.random.key(0), *args))
+    assert scanned_spec["params"]["single_blocks_scan_0_1"]["linear1"][
+        "kernel"
+    ] == jax.sharding.PartitionSpec("layers", "embed", "qkv")
+
+
+class AmaxDot(nn.Module):
+    """A dot_general stand-in that records max |lhs| in the fp8_meta collection."""
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        amax = self.variable("fp8_meta", "amax", lambda: jnp.zeros((), jnp.float32))
+        if self.is_mutable_collection("fp8_meta"):
+            amax.value = jnp.maximum(amax.value, jnp.max(jnp.abs(lhs)))
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _policy(site: str):
+    return None if site in ("double_blocks.0", "img_in", "final_layer") else AmaxDot
+
+
+def test_dot_general_policy_reaches_each_site_and_splits_scan_segments():
+    params = dataclasses.replace(PRESETS["tiny"], depth=2, depth_single_blocks=2)
+    assert [(a, b) for a, b, _ in block_segments(2, "double_blocks", _policy)] == [(0, 1), (1, 2)]
+    args = _inputs(params)
+    base = _random_variables(params, args)
+    outs, metas = [], []
+    for scan in (False, True):
+        model = Flux(params, jnp.float32, dot_general_policy=_policy, scan_blocks=scan)
+        meta = model.init(jax.random.key(0), *args)["fp8_meta"]
+        v = (
+            base
+            if not scan
+            else convert.load_torch_state_dict(
+                convert.export_bfl_state_dict(base, params), params, True, _policy
+            )
+        )
+        out, state = model.apply({**v, "fp8_meta": meta}, *args, mutable=["fp8_meta"])
+        outs.append(out)
+        metas.append(state["fp8_meta"])
+    plain, scanned = metas
+    assert set(plain) == {
+        "txt_in",
+        "time_in",
+        "vector_in",
+        "double_blocks_1",
+        "single_blocks_0",
+        "single_blocks_1",
+    }
+    assert set(scanned) == {
+        "txt_in",
+        "time_in",
+        "vector_in",
+        "double_blocks_scan_1_2",
+        "single_blocks_scan_0_2",
+    }
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    qkv_plain = [plain[f"single_blocks_{i}"]["linear1"]["AmaxDot_0"]["amax"] for i in range(2)]
+    qkv_scan = scanned["single_blocks_scan_0_2"]["linear1"]["AmaxDot_0"]["amax"]
+    assert qkv_scan.shape == (2,) and float(qkv_plain[0]) > 0
+    np.testing.assert_allclose(qkv_scan, qkv_plain, rtol=1e-5)
+
+
+def test_user_errors_are_clear():
+    params = PRESETS["tiny-dev"]
+    args = _inputs(params)
+    with pytest.raises(ValueError, match="guidance"):
+        Flux(params).init(jax.random.key(0), *args[:-1])
+    with pytest.raises(ValueError, match="recompute_granularity"):
+        Flux(params, remat="some").init(jax.random.key(0), *args)
+    with pytest.raises(ValueError, match="axes_dim"):
+        dataclasses.replace(params, axes_dim=(4, 4, 4))
+    with pytest.raises(ValueError, match="num_heads"):
+        dataclasses.replace(params, num_heads=3)
