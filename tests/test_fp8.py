@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -296,3 +297,54 @@ def test_summarize():
         "b": {"kernel_scale": jnp.float32(2.0), "kernel_amax_history": jnp.array([0.0, 7.0])},
     }
     assert fp8.summarize(meta) == {"scale_min": 0.5, "scale_max": 2.0, "amax_max": 7.0}
+
+
+def test_double_stream_block_fp8_close_to_bf16():
+    from flux_jax.layers import DoubleStreamBlock
+    from flux_jax.math import embed_nd
+
+    dg = functools.partial(Fp8DotGeneral, spec=Fp8Spec(recipe="tensorwise", amax_history_len=2))
+    kw = dict(hidden_size=32, num_heads=2, mlp_ratio=4.0, dtype=jnp.float32)
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    img, txt = jax.random.normal(ks[0], (2, 8, 32)), jax.random.normal(ks[1], (2, 4, 32))
+    vec = jax.random.normal(ks[2], (2, 32))
+    ids = jnp.zeros((2, 12, 3)).at[..., 1].set(jnp.arange(12.0))
+    pe = embed_nd(ids, (4, 6, 6), 10_000)
+    ref_block, fp8_block = DoubleStreamBlock(**kw), DoubleStreamBlock(**kw, dot_general_cls=dg)
+    params = ref_block.init(ks[3], img, txt, vec, pe)["params"]
+    v = fp8_block.init(ks[3], img, txt, vec, pe)
+    assert jax.tree.structure(v["params"]) == jax.tree.structure(params)
+    n_dense = len(jax.tree.leaves(v["fp8_meta"])) // 6
+    assert n_dense == 10  # mod.lin, attn.qkv, attn.proj, mlp_0, mlp_2 per stream
+    ref = ref_block.apply({"params": params}, img, txt, vec, pe)
+    out = fp8_block.apply({"params": params, "fp8_meta": v["fp8_meta"]}, img, txt, vec, pe)
+    for a, b in zip(out, ref, strict=True):
+        assert _rel(a, b) < 0.05
+
+
+def test_flux_scanned_blocks_have_per_layer_fp8_meta():
+    from flux_jax.model import PRESETS, Flux
+
+    p = dataclasses.replace(PRESETS["tiny"], depth=2, depth_single_blocks=3)
+    policy = fp8.make_policy(make_config(fp8_amax_history_len=5), p, CPU)
+    model = Flux(p, dtype=jnp.float32, dot_general_policy=policy, scan_blocks=True)
+    b, n, t = 1, 4, 3
+    args = (
+        jnp.ones((b, n, 64)),
+        jnp.zeros((b, n, 3)),
+        jnp.ones((b, t, 32)),
+        jnp.zeros((b, t, 3)),
+        jnp.full((b,), 0.5),
+        jnp.ones((b, 32)),
+    )
+    v = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))
+    meta = v["fp8_meta"]
+    hists = [
+        (jax.tree_util.keystr(k), x.shape)
+        for k, x in jax.tree_util.tree_flatten_with_path(meta)[0]
+        if "amax_history" in jax.tree_util.keystr(k)
+    ]
+    assert hists and all(s[-1] == 5 for _, s in hists)
+    assert all(s[0] == 2 for k, s in hists if "double" in k) and any("double" in k for k, _ in hists)
+    assert all(s[0] == 3 for k, s in hists if "single" in k) and any("single" in k for k, _ in hists)
+    assert not any(k.startswith(("['img_in", "['txt_in", "['final")) for k, _ in hists)
