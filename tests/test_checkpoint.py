@@ -1,8 +1,13 @@
 """Checkpointer: exact round trips, retention, atomicity, resharding, precision switches, errors."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -11,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flux_jax import checkpoint
+from flux_jax import checkpoint, model
 
 
 def make_config(save_interval=1, max_to_keep=None, keep_period=None, async_save=False):
@@ -229,3 +234,77 @@ def test_load_init_from_unknown_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither a .safetensors file"):
         checkpoint.load_init_from(tmp_path / "empty", None, {})
+
+
+def tiny_flux_params():
+    fp = model.PRESETS["tiny"]
+    args = (
+        jnp.zeros((1, 4, fp.in_channels)),
+        jnp.zeros((1, 4, len(fp.axes_dim))),
+        jnp.zeros((1, 2, fp.context_in_dim)),
+        jnp.zeros((1, 2, len(fp.axes_dim))),
+        jnp.zeros((1,)),
+        jnp.zeros((1, fp.vec_in_dim)),
+    )
+    variables = model.Flux(fp, dtype=jnp.float32).init(jax.random.key(1), *args)
+    return fp, nn.unbox(variables)["params"]
+
+
+def test_export_then_init_from_safetensors_round_trips(tmp_path):
+    fp, params = tiny_flux_params()
+    ckpt = checkpoint.Checkpointer(tmp_path / "run", make_config())
+    state = {
+        "step": jnp.int32(5),
+        "params": params,
+        "opt_state": {},
+        "fp8_meta": {},
+        "rng": jax.random.key(0),
+    }
+    ckpt.save(5, state)
+    ckpt.wait_until_finished()
+    out = tmp_path / "flux.safetensors"
+    checkpoint.main(
+        ["export", "--workdir", str(tmp_path / "run"), "--output", str(out), "--dtype", "float32"]
+    )
+    abstract = abstract_of(params, REPLICATED)
+    loaded = checkpoint.load_init_from(out, fp, abstract)
+    assert_tree_equal(loaded, params)
+    with pytest.raises(ValueError, match="No checkpoint 9"):
+        checkpoint.export(tmp_path / "run", out, step=9)
+
+
+TRAIN_ARGS = ["--config.train_iters=8", "--config.save_interval=2", "--config.log_interval=1"]
+TRAIN_ARGS += ["--config.eval_interval=0"]
+
+
+def run_train(workdir, wait=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "flux_jax.train", "--config", "configs/toy.py", "--workdir", str(workdir)]
+    proc = subprocess.Popen(cmd + TRAIN_ARGS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if wait:
+        assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
+    return proc
+
+
+def losses(workdir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        r["step"]: r["loss"] for r in rows if r.get("split") == "train"
+    }  # a resumed step's last line wins
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FLUX_JAX_E2E"), reason="three toy training runs (minutes); FLUX_JAX_E2E=1"
+)
+def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
+    run_train(tmp_path / "reference")
+    killed = run_train(tmp_path / "killed", wait=False)
+    first = tmp_path / "killed" / "checkpoints" / "2"
+    while not first.exists() and killed.poll() is None:
+        time.sleep(0.02)
+    killed.kill()
+    assert killed.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert checkpoint.Checkpointer(tmp_path / "killed", make_config()).latest_step() < 8
+    run_train(tmp_path / "killed")
+    assert losses(tmp_path / "killed") == losses(tmp_path / "reference")
+    assert sorted(losses(tmp_path / "reference")) == list(range(1, 9))
