@@ -1,0 +1,196 @@
+"""Full train-step benchmark: BF16 and each FP8 recipe side by side in one process.
+
+Times the real jitted train step of flux_jax.train (forward, backward, AdamW, FP8 state update) on
+synthetic device-resident batches, after warm-up, as the median of many synchronised steps.
+
+    python benchmarks/step.py --shape block --recipes bf16,delayed,tensorwise --out results.json
+
+Shapes:
+  block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
+  mlperf width 3072, --depth/--single blocks of the 12B model, 256x256 (256 image tokens), 256 text tokens
+  535m   flux-535m (1 + 1 blocks), 256x256, 256 text tokens, Primus micro batch 2 (BF16) / 4 (FP8)
+
+Model TFLOP/s uses flux_jax.metrics.train_flops_per_sample (6 * dense params touched per token *
+tokens + attention); MFU is against the device's dense peak for the step's precision.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import flux_535m
+from flux_jax import doctor, fp8, metrics, optim, sharding, train
+
+SHAPES = {
+    # name: (double, single, batch, image tokens per side, text tokens)
+    "block": (2, 4, 4, 32, 512),
+    "mlperf": (2, 4, 16, 16, 256),
+    "535m": (1, 1, 2, 16, 256),
+}
+
+
+def bench_config(shape: str, recipe: str, args) -> tuple:
+    depth, single, batch, side, txt_len = SHAPES[shape]
+    if shape == "mlperf":
+        depth, single, batch = args.depth, args.single, args.batch or batch
+    if shape == "535m" and recipe != "bf16":
+        batch = 4
+    batch = args.batch or batch
+    c = flux_535m.get_config()
+    c.model.depth, c.model.depth_single_blocks = depth, single
+    c.model.attention = args.attention
+    c.model.scan_blocks = args.scan
+    c.recompute_granularity = args.remat
+    c.micro_batch_size = c.global_batch_size = batch
+    if recipe != "bf16":
+        c.fp8 = args.format
+        c.fp8_recipe = recipe
+        c.fp8_amax_compute_algo = "max"
+    return c, batch, side, txt_len
+
+
+def synthetic_batch(fp, batch: int, side: int, txt_len: int, rng: np.random.Generator):
+    rows, cols = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+    ids = np.stack([np.zeros_like(rows), rows, cols], -1).reshape(1, side * side, 3)
+    return {
+        "img": rng.standard_normal((batch, side * side, fp.in_channels), np.float32),
+        "img_ids": np.repeat(ids, batch, 0).astype(np.float32),
+        "txt": rng.standard_normal((batch, txt_len, fp.context_in_dim), np.float32),
+        "txt_ids": np.zeros((batch, txt_len, 3), np.float32),
+        "y": rng.standard_normal((batch, fp.vec_in_dim), np.float32),
+    }
+
+
+def count_gemms(hlo: str) -> dict[str, int]:
+    """All GEMM custom calls, and those that are FP8 (``doctor.count_fp8_gemms``)."""
+    gemms = sum(
+        1
+        for ln in hlo.splitlines()
+        if "custom-call" in ln and ("gemm" in ln.lower() or "matmul" in ln.lower())
+    )
+    return {"gemm_custom_calls": gemms, "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo)}
+
+
+def run_one(shape: str, recipe: str, args) -> dict:
+    config, batch, side, txt_len = bench_config(shape, recipe, args)
+    use_fp8 = recipe != "bf16"
+    fp = train.flux_params(config)
+    mesh = sharding.make_mesh(config)
+    rules = sharding.rules_from_config(config)
+    net = train.make_model(config, fp, use_fp8)
+    host = synthetic_batch(fp, batch, side, txt_len, np.random.default_rng(0))
+
+    def init_variables(rng):
+        t = jnp.zeros((1,), jnp.float32)
+        g = t if fp.guidance_embed else None
+        one = {k: jnp.asarray(v[:1]) for k, v in host.items()}
+        return net.init(rng, one["img"], one["img_ids"], one["txt"], one["txt_ids"], t, one["y"], g)
+
+    variables, _ = sharding.sharded_init(init_variables, jax.random.key(0), mesh, rules)
+    params = variables["params"]
+    tx = optim.make_optimizer(config)
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(tx.init)(params)
+    state = {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": opt_state,
+        "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
+        "rng": jax.random.key(1),
+    }
+    batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
+    step = jax.jit(train.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, batch_dev).compile()
+    compile_s = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    mem = compiled.memory_analysis()
+    peak_bytes = None
+    if mem is not None:
+        peak_bytes = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+        peak_bytes -= int(getattr(mem, "alias_size_in_bytes", 0))
+    for _ in range(args.warmup):
+        state, m = compiled(state, batch_dev)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, m = compiled(state, batch_dev)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+    ms = 1e3 * statistics.median(times)
+    flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch
+    kind = jax.devices()[0].device_kind
+    peak = metrics.peak_flops(kind, use_fp8)
+    tflops = flops / (ms / 1e3) / 1e12
+    return {
+        "shape": shape,
+        "recipe": recipe,
+        "batch": batch,
+        "image_tokens": side * side,
+        "text_tokens": txt_len,
+        "depth": fp.depth,
+        "depth_single_blocks": fp.depth_single_blocks,
+        "ms_per_step": ms,
+        "ms_min": 1e3 * min(times),
+        "images_per_sec": batch / (ms / 1e3),
+        "model_tflops": tflops,
+        "mfu": (tflops * 1e12 / peak) if peak else None,
+        "compile_s": compile_s,
+        "compiled_memory_bytes": peak_bytes,
+        "loss": float(m["loss"]),
+        "finite": bool(m["finite"]),
+        "device": kind,
+        **count_gemms(hlo),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="block", choices=sorted(SHAPES))
+    p.add_argument("--recipes", default="bf16,delayed,tensorwise")
+    p.add_argument("--format", default="hybrid", choices=fp8.FORMATS)
+    p.add_argument("--attention", default="cudnn", choices=("xla", "cudnn"))
+    p.add_argument("--remat", default=None, choices=(None, "selective", "full"))
+    p.add_argument("--scan", action="store_true")
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--single", type=int, default=4)
+    p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    results = []
+    for recipe in args.recipes.split(","):
+        r = run_one(args.shape, recipe, args)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    base = next((r for r in results if r["recipe"] == "bf16"), None)
+    if base:
+        for r in results:
+            r["speedup_vs_bf16"] = base["ms_per_step"] / r["ms_per_step"]
+            if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
+                r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
+    print("recipe      ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
+    for r in results:
+        mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
+        print(
+            f"{r['recipe']:<10} {r['ms_per_step']:8.2f} {r['images_per_sec']:6.1f} {r['model_tflops']:8.1f} "
+            f"{mfu:>5} {r.get('speedup_vs_bf16', 1):6.2f} {r.get('memory_vs_bf16', 1):5.2f} "
+            f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
