@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import trace_summary
 from configs import flux_535m
 from flux_jax import doctor, fp8, metrics, optim, sharding, train
 
@@ -35,7 +36,20 @@ SHAPES = {
 }
 
 
-def bench_config(shape: str, recipe: str, args) -> tuple:
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """``"delayed@fp8_modulation=true;fp8_wgrad=false"`` -> ("delayed", {field: value})."""
+    recipe, _, rest = variant.partition("@")
+    overrides = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        overrides[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+        if isinstance(overrides[key], str) and overrides[key].lstrip("-").isdigit():
+            overrides[key] = int(overrides[key])
+    return recipe, overrides
+
+
+def bench_config(shape: str, variant: str, args) -> tuple:
+    recipe, overrides = parse_variant(variant)
     depth, single, batch, side, txt_len = SHAPES[shape]
     if shape == "mlperf":
         depth, single, batch = args.depth, args.single, args.batch or batch
@@ -52,6 +66,8 @@ def bench_config(shape: str, recipe: str, args) -> tuple:
         c.fp8 = args.format
         c.fp8_recipe = recipe
         c.fp8_amax_compute_algo = "max"
+    for key, value in overrides.items():
+        c[key] = value
     return c, batch, side, txt_len
 
 
@@ -79,7 +95,7 @@ def count_gemms(hlo: str) -> dict[str, int]:
 
 def run_one(shape: str, recipe: str, args) -> dict:
     config, batch, side, txt_len = bench_config(shape, recipe, args)
-    use_fp8 = recipe != "bf16"
+    use_fp8 = config.fp8 is not None
     fp = train.flux_params(config)
     mesh = sharding.make_mesh(config)
     rules = sharding.rules_from_config(config)
@@ -125,6 +141,15 @@ def run_one(shape: str, recipe: str, args) -> dict:
         state, m = compiled(state, batch_dev)
         jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t0)
+    prof = None
+    if args.profile:
+        box = [state]
+
+        def run_step():
+            box[0], out = compiled(box[0], batch_dev)
+            jax.block_until_ready((box[0], out))
+
+        prof = trace_summary.profile(run_step, args.profile)
     ms = 1e3 * statistics.median(times)
     flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch
     kind = jax.devices()[0].device_kind
@@ -149,13 +174,18 @@ def run_one(shape: str, recipe: str, args) -> dict:
         "finite": bool(m["finite"]),
         "device": kind,
         **count_gemms(hlo),
+        **({"profile": prof} if prof else {}),
     }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="block", choices=sorted(SHAPES))
-    p.add_argument("--recipes", default="bf16,delayed,tensorwise")
+    p.add_argument(
+        "--recipes",
+        default="bf16,delayed,tensorwise",
+        help="comma list of bf16|delayed|tensorwise|rowwise, each optionally @field=value;field=value",
+    )
     p.add_argument("--format", default="hybrid", choices=fp8.FORMATS)
     p.add_argument("--attention", default="cudnn", choices=("xla", "cudnn"))
     p.add_argument("--remat", default=None, choices=(None, "selective", "full"))
@@ -165,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, help="trace this many extra steps per recipe")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     results = []
@@ -178,14 +209,19 @@ def main(argv=None) -> int:
             r["speedup_vs_bf16"] = base["ms_per_step"] / r["ms_per_step"]
             if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
                 r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
-    print("recipe      ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
+    print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
     for r in results:
         mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
         print(
-            f"{r['recipe']:<10} {r['ms_per_step']:8.2f} {r['images_per_sec']:6.1f} {r['model_tflops']:8.1f} "
+            f"{r['recipe']:<28} {r['ms_per_step']:8.2f} {r['images_per_sec']:6.1f} {r['model_tflops']:8.1f} "
             f"{mfu:>5} {r.get('speedup_vs_bf16', 1):6.2f} {r.get('memory_vs_bf16', 1):5.2f} "
             f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}"
         )
+    for r in results:
+        if "profile" in r:
+            print(r["recipe"], "kernel ms/step by category:", json.dumps(r["profile"]["by_category_ms"]))
+            for name, cat, ms in r["profile"]["top_kernels_ms"]:
+                print(f"    {ms:8.3f} ms  {cat:<10} {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

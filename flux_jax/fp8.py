@@ -191,7 +191,12 @@ def block_sites(flux_params) -> list[str]:
 def make_policy(
     config, flux_params, desc: DeviceDescription | None = None
 ) -> Callable[[str], Callable[[], Any] | None] | None:
-    """site -> zero-arg Fp8DotGeneral factory, or None for plain BF16; None when config.fp8 is None."""
+    """site -> zero-arg Fp8DotGeneral factory, or None for plain BF16; None when config.fp8 is None.
+
+    Sites are ``"double_blocks.{i}"`` / ``"single_blocks.{i}"`` (the token GEMMs of a block), the
+    same with ``".modulation"`` (the block's per-sample modulation GEMM) and the embedders and
+    final layer (``"img_in"``, ``"final_layer"``, ...), which stay BF16.
+    """
     if _get(config, "fp8") is None:
         return None
     desc = desc or describe_device()
@@ -204,6 +209,9 @@ def make_policy(
         end = int(_get(config, "num_layers_at_end_in_bf16", 0) or 0)
         bf16 = set(sites[:start]) | set(sites[len(sites) - end :] if end else [])
     fp8_sites = frozenset(s for s in sites if s not in bf16)
+    if _get(config, "fp8_modulation", False):
+        # The per-sample modulation GEMMs (M = batch) follow their block when asked for.
+        fp8_sites |= frozenset(f"{s}.modulation" for s in fp8_sites)
     factory = functools.partial(Fp8DotGeneral, spec=spec)
 
     def policy(site: str):

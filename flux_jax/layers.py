@@ -2,7 +2,8 @@
 
 Every linear layer is a `dense(...)`: float32 params, configurable compute dtype, logical axis
 names for sharding, and an injectable dot_general (the FP8 hook). Blocks never branch on FP8;
-they only pass `dot_general_cls` through.
+they only pass `dot_general_cls` (token GEMMs) and `modulation_dot_general_cls` (the per-sample
+modulation GEMM, whose M is the batch size) through.
 """
 
 from collections.abc import Callable
@@ -156,6 +157,7 @@ class DoubleStreamBlock(nn.Module):
     qkv_bias: bool = True
     dtype: Any = jnp.bfloat16
     dot_general_cls: DotGeneralFactory = None
+    modulation_dot_general_cls: DotGeneralFactory = None
     attention_impl: str = "xla"
 
     @nn.compact
@@ -165,7 +167,7 @@ class DoubleStreamBlock(nn.Module):
         streams = {}
         for s in ("img", "txt"):
             streams[s] = dict(
-                mod=Modulation(dim, True, self.dtype, dg, name=f"{s}_mod"),
+                mod=Modulation(dim, True, self.dtype, self.modulation_dot_general_cls, name=f"{s}_mod"),
                 norm1=layer_norm(f"{s}_norm1", self.dtype),
                 attn=SelfAttention(dim, self.num_heads, self.qkv_bias, self.dtype, dg, name=f"{s}_attn"),
                 norm2=layer_norm(f"{s}_norm2", self.dtype),
@@ -198,13 +200,15 @@ class SingleStreamBlock(nn.Module):
     mlp_ratio: float
     dtype: Any = jnp.bfloat16
     dot_general_cls: DotGeneralFactory = None
+    modulation_dot_general_cls: DotGeneralFactory = None
     attention_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, vec: jax.Array, pe: jax.Array) -> jax.Array:
         dim, dg = self.hidden_size, self.dot_general_cls
         mlp_dim = int(dim * self.mlp_ratio)
-        ((shift, scale, gate),) = Modulation(dim, False, self.dtype, dg, name="modulation")(vec)
+        mod = Modulation(dim, False, self.dtype, self.modulation_dot_general_cls, name="modulation")
+        ((shift, scale, gate),) = mod(vec)
         x_mod = modulate(layer_norm("pre_norm", self.dtype)(x), shift, scale)
         h = dense(3 * dim + mlp_dim, ("embed", "qkv"), "linear1", self.dtype, dg)(x_mod)
         q, k, v = split_heads(h[..., : 3 * dim], 3, self.num_heads)

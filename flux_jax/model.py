@@ -115,15 +115,20 @@ _REMAT_POLICIES = {
 
 def block_segments(
     n: int, kind: str, policy: DotGeneralPolicy | None
-) -> list[tuple[int, int, Callable[[], nn.Module] | None]]:
-    """Runs [start, stop) of consecutive blocks whose dot_general factories compare equal."""
+) -> list[tuple[int, int, tuple[Callable[[], nn.Module] | None, Callable[[], nn.Module] | None]]]:
+    """Runs [start, stop) of consecutive blocks whose dot_general factories compare equal.
+
+    Each run carries (block factory, modulation factory): the policy's answers for the sites
+    ``"{kind}.{i}"`` and ``"{kind}.{i}.modulation"``.
+    """
     segments: list[tuple[int, int, Any]] = []
     for i in range(n):
-        factory = policy(f"{kind}.{i}") if policy is not None else None
-        if segments and segments[-1][2] == factory:
-            segments[-1] = (segments[-1][0], i + 1, factory)
+        site = f"{kind}.{i}"
+        factories = (policy(site), policy(f"{site}.modulation")) if policy is not None else (None, None)
+        if segments and segments[-1][2] == factories:
+            segments[-1] = (segments[-1][0], i + 1, factories)
         else:
-            segments.append((i, i + 1, factory))
+            segments.append((i, i + 1, factories))
     return segments
 
 
@@ -161,10 +166,11 @@ class Flux(nn.Module):
     def _run_blocks(self, kind: str, cls, n: int, carry, vec, pe, **kwargs):
         block_cls = self._block_cls(cls)
         body = _scan_double if kind == "double_blocks" else _scan_single
-        for start, stop, factory in block_segments(n, kind, self.dot_general_policy):
+        for start, stop, (factory, mod_factory) in block_segments(n, kind, self.dot_general_policy):
+            kwargs = dict(kwargs, dot_general_cls=factory, modulation_dot_general_cls=mod_factory)
             if not self.scan_blocks:
                 for i in range(start, stop):
-                    block = block_cls(**kwargs, dot_general_cls=factory, name=f"{kind}_{i}")
+                    block = block_cls(**kwargs, name=f"{kind}_{i}")
                     carry, _ = body(block, carry, vec, pe)
                 continue
             scanned = nn.scan(
@@ -175,7 +181,7 @@ class Flux(nn.Module):
                 length=stop - start,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            block = block_cls(**kwargs, dot_general_cls=factory, name=f"{kind}_scan_{start}_{stop}")
+            block = block_cls(**kwargs, name=f"{kind}_scan_{start}_{stop}")
             carry, _ = scanned(block, carry, vec, pe)
         return carry
 

@@ -32,6 +32,7 @@ def make_config(**overrides):
             first_last_layers_bf16=False,
             num_layers_at_start_in_bf16=0,
             num_layers_at_end_in_bf16=0,
+            fp8_modulation=False,
         )
     )
     c.update(overrides)
@@ -310,7 +311,10 @@ def test_double_stream_block_fp8_close_to_bf16():
     vec = jax.random.normal(ks[2], (2, 32))
     ids = jnp.zeros((2, 12, 3)).at[..., 1].set(jnp.arange(12.0))
     pe = embed_nd(ids, (4, 6, 6), 10_000)
-    ref_block, fp8_block = DoubleStreamBlock(**kw), DoubleStreamBlock(**kw, dot_general_cls=dg)
+    ref_block, fp8_block = (
+        DoubleStreamBlock(**kw),
+        DoubleStreamBlock(**kw, dot_general_cls=dg, modulation_dot_general_cls=dg),
+    )
     params = ref_block.init(ks[3], img, txt, vec, pe)["params"]
     v = fp8_block.init(ks[3], img, txt, vec, pe)
     assert jax.tree.structure(v["params"]) == jax.tree.structure(params)
@@ -348,3 +352,15 @@ def test_flux_scanned_blocks_have_per_layer_fp8_meta():
     assert all(s[0] == 2 for k, s in hists if "double" in k) and any("double" in k for k, _ in hists)
     assert all(s[0] == 3 for k, s in hists if "single" in k) and any("single" in k for k, _ in hists)
     assert not any(k.startswith(("['img_in", "['txt_in", "['final")) for k, _ in hists)
+
+
+@pytest.mark.parametrize("fp8_modulation", [False, True])
+def test_policy_modulation_sites_follow_config(fp8_modulation):
+    from flux_jax.model import PRESETS
+
+    p = dataclasses.replace(PRESETS["tiny"], depth=2, depth_single_blocks=1)
+    policy = fp8.make_policy(make_config(fp8_modulation=fp8_modulation), p, CPU)
+    assert policy("double_blocks.1") is not None and policy("single_blocks.0") is not None
+    assert (policy("double_blocks.1.modulation") is not None) == fp8_modulation
+    assert (policy("single_blocks.0.modulation") is not None) == fp8_modulation
+    assert policy("img_in") is None and policy("final_layer") is None

@@ -106,7 +106,10 @@ class AmaxDot(nn.Module):
 
 
 def _policy(site: str):
-    return None if site in ("double_blocks.0", "img_in", "final_layer") else AmaxDot
+    # A block's modulation site follows the block here, so double_blocks.0 has no state at all.
+    return (
+        None if site.removesuffix(".modulation") in ("double_blocks.0", "img_in", "final_layer") else AmaxDot
+    )
 
 
 def test_dot_general_policy_reaches_each_site_and_splits_scan_segments():

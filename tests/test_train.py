@@ -156,3 +156,40 @@ def test_flops_formula_matches_mlperf_figure():
     assert abs(flops / 1e12 - 20.3) < 0.5
     assert metrics.peak_flops("NVIDIA H200", fp8=True) == 1979e12
     assert metrics.peak_flops("cpu", fp8=False) is None
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="FP8 GEMM custom calls exist only on a GPU backend"
+)
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
+    from flux_jax import doctor
+
+    config = toy_config.get_config("fp8")
+    config.fp8_wgrad = wgrad
+    config.micro_batch_size = config.global_batch_size = 16
+    config.mesh.data = -1
+    fp = train.flux_params(config)
+    net = train.make_model(config, fp, use_fp8=True)
+    img_len, txt_len = (config.data.image_size // 16) ** 2, config.data.txt_len
+    b = config.micro_batch_size
+    batch = {
+        "img": jnp.ones((b, img_len, fp.in_channels)),
+        "img_ids": jnp.zeros((b, img_len, 3)),
+        "txt": jnp.ones((b, txt_len, fp.context_in_dim)),
+        "txt_ids": jnp.zeros((b, txt_len, 3)),
+        "y": jnp.ones((b, fp.vec_in_dim)),
+    }
+    v = net.init(
+        jax.random.key(0),
+        *(batch[k][:1] for k in ("img", "img_ids", "txt", "txt_ids")),
+        jnp.zeros((1,)),
+        batch["y"][:1],
+    )
+    tx = optim.make_optimizer(config)
+    state = _state(v["params"], tx) | {"fp8_meta": v["fp8_meta"]}
+    step = jax.jit(train.make_train_step(config, net, tx, num_micro=1, use_fp8=True))
+    hlo = step.lower(state, batch).compile().as_text()
+    # Token GEMMs: qkv, proj, mlp_0, mlp_2 per stream of a double block; linear1, linear2 per single.
+    linears = 8 * fp.depth + 2 * fp.depth_single_blocks
+    assert doctor.count_fp8_gemms(hlo) == linears * (3 if wgrad else 2)

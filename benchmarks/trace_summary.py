@@ -1,0 +1,77 @@
+"""Where a jitted step's GPU time goes: kernel time per category from a jax.profiler trace.
+
+    from benchmarks import trace_summary
+    print(trace_summary.profile(lambda: step(state, batch), steps=5))
+
+Reads the ``.xplane.pb`` with ``jax.profiler.ProfileData`` (no TensorBoard needed), sums the
+duration of every event on the GPU planes' stream lines by kernel name, and buckets the names.
+"""
+
+import collections
+import glob
+import os
+import re
+import tempfile
+
+import jax
+
+# First match wins; kernel names are cuBLASLt / cuDNN / XLA fusion names.
+CATEGORIES = (
+    ("fp8_gemm", re.compile(r"(e4m3|e5m2|f8f6f4|fp8|_f8_|qgmma)", re.I)),
+    ("gemm", re.compile(r"(gemm|xmma|nvjet|cutlass|wgmma|sm90_)", re.I)),
+    ("attention", re.compile(r"(cudnn|fmha|flash|sdpa|attention)", re.I)),
+    ("transpose", re.compile(r"transpose", re.I)),
+    ("reduce", re.compile(r"reduce", re.I)),
+    ("copy", re.compile(r"(memcpy|memset|copy)", re.I)),
+    ("fusion", re.compile(r"(fusion|loop_|input_|triton)", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def kernel_times(xplane_path: str) -> dict[str, float]:
+    """Total ns per kernel name over the GPU stream lines of one trace."""
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+    return dict(totals)
+
+
+def summarize(totals: dict[str, float], steps: int, top: int = 15) -> dict:
+    per_cat: dict[str, float] = collections.defaultdict(float)
+    for name, ns in totals.items():
+        per_cat[category(name)] += ns
+    ms = lambda ns: round(ns / steps / 1e6, 3)  # noqa: E731
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "kernel_ms_per_step": ms(sum(totals.values())),
+        "by_category_ms": {k: ms(v) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": [(name[:120], category(name), ms(ns)) for name, ns in ranked],
+    }
+
+
+def profile(run_step, steps: int = 5, top: int = 15) -> dict:
+    """Traces ``steps`` calls of ``run_step`` (each must block until done) and summarises them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        try:
+            for _ in range(steps):
+                run_step()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": f"no .xplane.pb written under {tmp}"}
+        return summarize(kernel_times(paths[0]), steps, top)
