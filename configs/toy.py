@@ -5,7 +5,9 @@ Run (from the repository root):
     python -m flux_jax.train --config configs/toy.py --workdir /tmp/flux_toy
 
 Add ``:fp8`` to the config path for the FP8 (E4M3, delayed scaling) variant. Expected figures are
-recorded in the README: the training loss starts near 1.3 and falls well below 1.0 within the run.
+recorded in the README: the training loss starts near 1.2 (step 10), is near 0.3 by step 30 and
+about 0.05 at step 300 (validation loss about 0.23); 300 steps take 4-7 minutes on 2 CPU cores, and
+samples then show the caption's colour as a blob near the caption's position.
 """
 
 import ml_collections
@@ -45,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.micro_batch_size = 16  # per data-parallel replica per forward/backward
     c.global_batch_size = 16  # per optimizer step; > micro * dp means gradient accumulation
-    c.train_iters = 60  # optimizer steps
+    c.train_iters = 300  # optimizer steps
     c.lr = 1e-3  # peak learning rate
     c.min_lr = 1e-4  # cosine floor
     c.lr_warmup_iters = 10  # linear warmup from 0
@@ -56,9 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.adam_eps = 1e-8  # AdamW epsilon
     c.clip_grad = 1.0  # global-norm gradient clipping (0 disables)
 
-    c.save_interval = 60  # steps between checkpoints (and one at the end)
+    c.save_interval = 100  # steps between checkpoints (and one at the end)
     c.log_interval = 10  # steps between metrics.jsonl / TensorBoard lines
-    c.eval_interval = 30  # steps between validation passes (and one at the end); 0 disables
+    c.eval_interval = 100  # steps between validation passes (and one at the end); 0 disables
     c.eval_iters = 4  # validation batches per pass (each spreads over the 8 timesteps)
 
     c.timestep_sampling = "logit_normal"  # "uniform" | "logit_normal" | "mode"
