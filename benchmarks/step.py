@@ -110,6 +110,47 @@ def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8) -> dict:
+    """Lowers and compiles the step on abstract state (nothing allocated): compile time and memory."""
+
+    def build(rng):
+        variables = sharding.unbox(init_variables(rng))
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": variables["params"],
+            "opt_state": tx.init(variables["params"]),
+            "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
+            "rng": jax.random.key(1),
+        }
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        jax.eval_shape(build, jax.random.key(0)),
+    )
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in host.items()}
+    step = jax.jit(train.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(abstract, batch).compile()
+    mem = compiled.memory_analysis()
+    n_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
+    return {
+        "shape": shape,
+        "recipe": recipe,
+        "compile_only": True,
+        "depth": net.params.depth,
+        "depth_single_blocks": net.params.depth_single_blocks,
+        "scan_blocks": net.scan_blocks,
+        "params": n_params,
+        "compile_s": time.perf_counter() - t0,
+        "compiled_memory_bytes": None
+        if mem is None
+        else int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes),
+        **count_gemms(compiled.as_text()),
+    }
+
+
 def run_one(shape: str, recipe: str, args) -> dict:
     config, batch, side, txt_len = bench_config(shape, recipe, args)
     use_fp8 = config.fp8 is not None
@@ -125,9 +166,11 @@ def run_one(shape: str, recipe: str, args) -> dict:
         one = {k: jnp.asarray(v[:1]) for k, v in host.items()}
         return net.init(rng, one["img"], one["img_ids"], one["txt"], one["txt_ids"], t, one["y"], g)
 
+    tx = optim.make_optimizer(config)
+    if args.compile_only:
+        return compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8)
     variables, _ = sharding.sharded_init(init_variables, jax.random.key(0), mesh, rules)
     params = variables["params"]
-    tx = optim.make_optimizer(config)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(tx.init)(params)
     state = {
@@ -213,6 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile-only", action="store_true", help="abstract state: compile time and memory")
     p.add_argument("--profile", type=int, default=0, help="trace this many extra steps per recipe")
     p.add_argument("--out", default="")
     p.add_argument("--no-measure-peak", action="store_true", help="MFU against the datasheet peak")
@@ -229,6 +273,14 @@ def main(argv=None) -> int:
         r = run_one(args.shape, recipe, args)
         results.append(r)
         print(json.dumps(r), flush=True)
+    if args.compile_only:
+        for r in results:
+            mem = (r["compiled_memory_bytes"] or 0) / 2**30
+            print(
+                f"{r['recipe']:<28} {r['params'] / 1e9:.2f}B params  "
+                f"compile {r['compile_s']:.1f} s  {mem:.1f} GiB"
+            )
+        return 0
     base = next((r for r in results if r["recipe"] == "bf16"), None)
     if base:
         for r in results:
