@@ -28,11 +28,11 @@ def count_fp8_dots(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if " dot(" in line and "f8e" in line.split("dot(")[1])
 
 
-def probe_fp8_gemm(spec: Fp8Spec, m: int = 1024, k: int = 1024, n: int = 1024) -> dict:
+def probe_fp8_gemm(spec: Fp8Spec, m: int = 6144, k: int = 3072, n: int = 9216) -> dict:
     """Compile a forward+backward FP8 dense and report the FP8 GEMMs in its HLO.
 
-    At 64^3 the H200 image's XLA emitted no FP8 custom call while 6144x3072x9216 emitted all three,
-    so the probe uses a GEMM large enough for XLA to pick cuBLASLt.
+    On the H200 image's XLA, 64^3 gave no FP8 custom call and 1024^3 only the forward one, while
+    6144x3072x9216 (a Flux qkv GEMM) gave all three, so the probe uses that shape.
     """
     module = Fp8DotGeneral(spec=spec)
     x = jnp.ones((m, k), jnp.bfloat16)
