@@ -15,12 +15,39 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.math import attention
+from flux_jax.sharding import constrain
 
 DotGeneralFactory = Callable[[], nn.Module] | None
 Init = Callable[..., jax.Array]
 
 xavier = nn.initializers.xavier_uniform()
 zeros = nn.initializers.zeros_init()
+
+
+def activation_names(ndim: int, feature: str | None) -> tuple[str | None, ...]:
+    """Logical names of a (B, [L,] features) activation whose features carry kernel axis `feature`."""
+    return ("act_batch",) + ("act_len",) * (ndim - 2) + (None if feature is None else f"act_{feature}",)
+
+
+class Dense(nn.Dense):
+    """nn.Dense whose input and output are pinned to the layout its kernel axes imply.
+
+    A column-parallel layer (kernel ("embed", "mlp")) takes a tensor-replicated input and gives a
+    tensor-sharded output; a row-parallel one (("mlp", "embed")) the reverse: the Megatron layout
+    the act_* rules describe. Left to sharding propagation, the embed side can come out
+    tensor-sharded instead, and XLA's SPMD partitioner miscompiles that dot when data, fsdp and
+    tensor are all > 1 (batch over (data, fsdp), kernel features over fsdp, result features over
+    tensor: it swaps the batch shards of two devices). Pinning both sides keeps every weight dot
+    on layouts it partitions correctly; without a mesh the constraints are no-ops.
+    """
+
+    axes: tuple[str | None, str | None] = (None, None)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        inputs = constrain(inputs, activation_names(inputs.ndim, self.axes[0]))
+        y = super().__call__(inputs)
+        return constrain(y, activation_names(y.ndim, self.axes[1]))
 
 
 def dense(
@@ -32,9 +59,10 @@ def dense(
     kernel_init: Init = xavier,
     use_bias: bool = True,
 ) -> nn.Dense:
-    """nn.Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias."""
-    return nn.Dense(
+    """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias."""
+    return Dense(
         features,
+        axes=axes,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=jnp.float32,

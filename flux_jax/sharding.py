@@ -39,6 +39,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_qkv", "tensor"),
+    ("act_mod", "tensor"),
     ("act_kv", None),
 )
 
@@ -154,6 +155,8 @@ def logical_to_spec(
                 if rule_name != name or axes is None:
                     continue
                 flat = (axes,) if isinstance(axes, str) else tuple(axes)
+                if not set(flat) <= set(mesh.axis_names):
+                    continue
                 if used.intersection(flat) or size % _axis_size(mesh, axes):
                     continue
                 chosen = axes
@@ -161,6 +164,23 @@ def logical_to_spec(
                 break
         spec.append(chosen)
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins an activation to the layout its logical dimension names map to on the current mesh.
+
+    The mesh is the one set with ``jax.set_mesh`` and the rules those of ``nn.logical_axis_rules``,
+    with DEFAULT_RULES for the names they leave out (rules that only rebind parameter axes must not
+    replicate the batch); without a mesh this is the identity, so single-device code runs
+    unchanged. Dimensions the mesh axis does not divide stay replicated, as for parameters.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    rules = tuple(nn.get_logical_axis_rules())
+    bound = {name for name, _ in rules}
+    rules += tuple(rule for rule in DEFAULT_RULES if rule[0] not in bound)
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))
 
 
 def _is_box(x: Any) -> bool:

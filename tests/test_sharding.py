@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flux_jax import sharding
+from flux_jax import fp8, sharding
+from flux_jax.layers import dense
 from flux_jax.model import PRESETS, Flux
 
 
@@ -121,18 +122,9 @@ def tiny_reference():
     return model, batch, init_fn, variables, params, float(loss), grads
 
 
-MESH_CASES = [
-    pytest.param(
-        (2, 2, 2),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="open bug: with data, fsdp and tensor all > 1 the txt-stream gradients differ "
-            "(replicated params on the same mesh match; Shardy and GSPMD agree)",
-        ),
-    ),
-    (8, 1, 1),
-    (1, 4, 2),
-]
+# (2, 2, 2) is the split where a dot's batch shards over (data, fsdp) while its kernel shards over
+# fsdp and tensor: see test_dense_pins_layout_xla_miscompiles.
+MESH_CASES = [(2, 2, 2), (8, 1, 1), (1, 4, 2)]
 
 
 @pytest.mark.parametrize("sizes", MESH_CASES)
@@ -167,6 +159,135 @@ def test_tiny_flux_loss_and_grads_match_single_device(tiny_reference, sizes):
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-4)
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def _fp8_config():
+    return ml_collections.ConfigDict(
+        dict(
+            fp8="hybrid",
+            fp8_recipe="delayed",
+            fp8_margin=0,
+            fp8_amax_history_len=4,
+            fp8_amax_compute_algo="max",
+            fp8_wgrad=True,
+            fp8_format_family="auto",
+            first_last_layers_bf16=False,
+            num_layers_at_start_in_bf16=0,
+            num_layers_at_end_in_bf16=0,
+            fp8_modulation=True,
+        )
+    )
+
+
+def _fp8_step(model):
+    """(params, fp8_meta, batch) -> (loss, grads, new fp8_meta), threaded as in train.make_train_step."""
+
+    def loss(params, meta, batch):
+        inputs = {k: v for k, v in batch.items() if k != "target"}
+        out = model.apply({"params": params, fp8.FP8_COLLECTION: fp8.as_max_grad(meta)}, **inputs)
+        return jnp.mean((out - batch["target"]) ** 2)
+
+    def step(params, meta, batch):
+        value, (grads, new_meta) = jax.value_and_grad(loss, argnums=(0, 1))(params, meta, batch)
+        return value, grads, fp8.from_max_grad(new_meta)
+
+    return step
+
+
+def test_tiny_flux_fp8_matches_single_device():
+    """FP8 dots on data=2 x fsdp=2 x tensor=2: the amax of a sharded tensor is global.
+
+    Two delayed-scaling steps: the first quantizes with the initial unit scales and records the
+    amaxes, the second quantizes with the scales computed from them. Compute stays float32 so the
+    only differences left are reduction order, which FP8 rounding does not amplify here.
+    """
+    policy = fp8.make_policy(_fp8_config(), PRESETS["tiny"], fp8.DeviceDescription("cpu", "cpu", ""))
+    model = Flux(PRESETS["tiny"], dtype=jnp.float32, dot_general_policy=policy)
+    batch = _inputs(model.params)
+    inputs = {k: v for k, v in batch.items() if k != "target"}
+    init_fn = lambda r: model.init(r, **inputs)  # noqa: E731
+    variables = sharding.unbox(jax.jit(init_fn)(jax.random.key(0)))
+    params, meta = jax.jit(_perturb)(variables["params"]), variables[fp8.FP8_COLLECTION]
+    ref_step = jax.jit(_fp8_step(model))
+    ref = [ref_step(params, meta, batch)]
+    ref.append(ref_step(params, ref[0][2], batch))
+
+    mesh = sharding.make_mesh(_config(2, 2, 2))
+    rules = sharding.DEFAULT_RULES
+    _, shardings = sharding.sharded_init(init_fn, jax.random.key(0), mesh, rules)
+    meta_sh = shardings[fp8.FP8_COLLECTION]
+    assert all(s.spec == PartitionSpec() for s in jax.tree.leaves(meta_sh))
+    params = jax.device_put(params, shardings["params"])
+    global_batch = sharding.host_local_batch_to_global(batch, mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        step = jax.jit(
+            _fp8_step(model),
+            out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings["params"], meta_sh),
+        )
+        got = [step(params, jax.device_put(meta, meta_sh), global_batch)]
+        got.append(step(params, got[0][2], global_batch))
+
+    for (loss, grads, new_meta), (ref_loss, ref_grads, ref_meta) in zip(got, ref, strict=True):
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+        jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
+        flat = jax.tree_util.tree_flatten_with_path(new_meta)[0]
+        assert len(flat) == len(jax.tree.leaves(ref_meta)) > 0
+        for (path, value), want in zip(flat, jax.tree.leaves(ref_meta), strict=True):
+            copies = [np.asarray(shard.data) for shard in value.addressable_shards]
+            assert len(copies) == 8
+            # One scale and one history on every device, bit for bit.
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0], err_msg=jax.tree_util.keystr(path))
+            if "kernel" in jax.tree_util.keystr(path):
+                # Kernels are the same numbers on both runs, so their amax is exact.
+                np.testing.assert_array_equal(copies[0], want, err_msg=jax.tree_util.keystr(path))
+            else:
+                # Activations and output gradients carry reduction-order rounding; a per-shard
+                # amax would be off by far more (it would miss the other shards' maxima).
+                np.testing.assert_allclose(copies[0], want, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+        hist = ref_meta["double_blocks_0"]["txt_mod"]["lin"]["Fp8DotGeneral_0"]["input_amax_history"]
+        assert float(hist[0]) > 0
+
+
+def test_dense_pins_layout_xla_miscompiles():
+    """The two dots XLA's SPMD partitioner gets wrong on a data x fsdp x tensor mesh, through Dense.
+
+    A plain ``x @ w`` with x sharded P(("data", "fsdp"), "tensor"), w P("tensor", "fsdp") and the
+    result requested as P(("data", "fsdp"), "tensor") comes back with the batch shards of devices
+    (data=0, fsdp=1) and (data=1, fsdp=0) swapped (XLA emits a collective-permute between them and
+    never undoes it; Shardy and GSPMD alike, since both hand the dot to the same partitioner). That
+    is a row-parallel layer's forward and, transposed, a column-parallel layer's input gradient.
+    Dense pins its input and output to the tensor-replicated layout, so the surrounding ops may ask
+    for that sharding and still get the right rows.
+    """
+    mesh = sharding.make_mesh(_config(2, 2, 2))
+    batch_tp = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor"))
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((8, 4, 64)).astype(np.float32)
+    row = dense(16, ("mlp", "embed"), "row", jnp.float32, None)
+    col = dense(64, ("embed", "mlp"), "col", jnp.float32, None)
+    x = rng.standard_normal((8, 4, 16)).astype(np.float32)
+    row_params = _perturb(row.init(jax.random.key(0), h)["params"])
+    col_params = _perturb(col.init(jax.random.key(1), x)["params"])
+    col_input_grad = jax.grad(lambda x, p: jnp.sum(jnp.sin(col.apply({"params": p}, x))))
+    want_row = row.apply({"params": row_params}, h)
+    want_grad = col_input_grad(x, col_params)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        kernel = {
+            "row": NamedSharding(mesh, PartitionSpec("tensor", "fsdp")),
+            "col": NamedSharding(mesh, PartitionSpec("fsdp", "tensor")),
+        }
+        got_row = jax.jit(lambda h, p: row.apply({"params": p}, h), out_shardings=batch_tp)(
+            jax.device_put(h, batch_tp),
+            dict(row_params, kernel=jax.device_put(row_params["kernel"], kernel["row"])),
+        )
+        got_grad = jax.jit(col_input_grad, out_shardings=batch_tp)(
+            jax.device_put(x, batch_tp),
+            dict(col_params, kernel=jax.device_put(col_params["kernel"], kernel["col"])),
+        )
+    np.testing.assert_allclose(got_row, want_row, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_unannotated_leaves_replicated():
