@@ -110,18 +110,23 @@ def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def train_state(variables, opt_state) -> dict:
+    """The state dict train.make_train_step takes, from init variables and optimizer state."""
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": variables["params"],
+        "opt_state": opt_state,
+        "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
+        "rng": jax.random.key(1),
+    }
+
+
 def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8) -> dict:
     """Lowers and compiles the step on abstract state (nothing allocated): compile time and memory."""
 
     def build(rng):
         variables = sharding.unbox(init_variables(rng))
-        return {
-            "step": jnp.zeros((), jnp.int32),
-            "params": variables["params"],
-            "opt_state": tx.init(variables["params"]),
-            "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
-            "rng": jax.random.key(1),
-        }
+        return train_state(variables, tx.init(variables["params"]))
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.tree.map(
@@ -173,13 +178,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
     params = variables["params"]
     with jax.set_mesh(mesh):
         opt_state = jax.jit(tx.init)(params)
-    state = {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "opt_state": opt_state,
-        "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
-        "rng": jax.random.key(1),
-    }
+    state = train_state(variables, opt_state)
     batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
     step = jax.jit(train.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
     t0 = time.perf_counter()

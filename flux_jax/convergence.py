@@ -321,15 +321,8 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
 def main(argv) -> None:
     del argv
     from absl import flags
-    from absl import logging as absl_logging
 
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    pkg = logging.getLogger("flux_jax")
-    pkg.addHandler(handler)
-    pkg.setLevel(logging.INFO)
-    pkg.propagate = False
+    train.setup_logging(logging.getLogger("flux_jax"))
     f = flags.FLAGS
     recipes = [r.strip() for r in f.recipes.split(",") if r.strip()]
     run(f.config, f.workdir, recipes, f.last_n, f.smooth, f.tolerance)

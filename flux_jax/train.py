@@ -404,15 +404,20 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     return result
 
 
-def main(argv) -> None:
-    del argv
-    # Progress goes to tqdm and this module's log; library INFO chatter (orbax) is dropped.
+def setup_logging(logger: logging.Logger) -> None:
+    """CLI logging: INFO lines from ``logger``; library INFO chatter (orbax) is dropped."""
     absl_logging.set_verbosity(absl_logging.WARNING)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def main(argv) -> None:
+    del argv
+    # Progress goes to tqdm and this module's log.
+    setup_logging(log)
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from configs import toy as toy_config
 from flux_jax import fp8, sharding
 from flux_jax.layers import dense
 from flux_jax.model import PRESETS, Flux
@@ -162,21 +163,13 @@ def test_tiny_flux_loss_and_grads_match_single_device(tiny_reference, sizes):
 
 
 def _fp8_config():
-    return ml_collections.ConfigDict(
-        dict(
-            fp8="hybrid",
-            fp8_recipe="delayed",
-            fp8_margin=0,
-            fp8_amax_history_len=4,
-            fp8_amax_compute_algo="max",
-            fp8_wgrad=True,
-            fp8_format_family="auto",
-            first_last_layers_bf16=False,
-            num_layers_at_start_in_bf16=0,
-            num_layers_at_end_in_bf16=0,
-            fp8_modulation=True,
-        )
-    )
+    # The toy config's FP8 fields, with a short history and the modulation GEMMs in FP8 too.
+    c = toy_config.get_config("fp8")
+    c.fp8 = "hybrid"
+    c.fp8_amax_history_len = 4
+    c.fp8_amax_compute_algo = "max"
+    c.fp8_modulation = True
+    return c
 
 
 def _fp8_step(model):
