@@ -17,9 +17,10 @@ import jax
 
 # First match wins; kernel names are cuBLASLt / cuDNN / XLA fusion names.
 CATEGORIES = (
-    ("fp8_gemm", re.compile(r"(e4m3|e5m2|f8f6f4|fp8|_f8_|qgmma)", re.I)),
-    ("gemm", re.compile(r"(gemm|xmma|nvjet|cutlass|wgmma|sm90_)", re.I)),
+    # Attention first: cuDNN's flash kernels are named "..._sdpa_sm90_flash_..._wgmma_...".
     ("attention", re.compile(r"(cudnn|fmha|flash|sdpa|attention)", re.I)),
+    ("fp8_gemm", re.compile(r"(e4m3|e5m2|f8f6f4|fp8|_f8_|qgmma|_qqtst|_qrtst|_rqtst)", re.I)),
+    ("gemm", re.compile(r"(gemm|xmma|nvjet|cutlass|wgmma|sm90_)", re.I)),
     ("transpose", re.compile(r"transpose", re.I)),
     ("reduce", re.compile(r"reduce", re.I)),
     ("copy", re.compile(r"(memcpy|memset|copy)", re.I)),
