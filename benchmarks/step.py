@@ -18,6 +18,8 @@ datasheet peak.
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -93,6 +95,19 @@ def count_gemms(hlo: str) -> dict[str, int]:
         if "custom-call" in ln and ("gemm" in ln.lower() or "matmul" in ln.lower())
     )
     return {"gemm_custom_calls": gemms, "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo)}
+
+
+def non_fp8_gemms(hlo: str) -> list[str]:
+    """Shapes and source op of each 16-bit GEMM custom call: which dots XLA kept out of FP8."""
+    out = []
+    for ln in hlo.splitlines():
+        low = ln.lower()
+        if "custom-call" not in ln or not ("gemm" in low or "matmul" in low) or "f8" in low:
+            continue
+        shapes = re.findall(r"\b(?:bf16|f16|f32)\[[0-9,]*\]", ln)
+        op = re.search(r'op_name="([^"]*)"', ln)
+        out.append(f"{' '.join(shapes[:4])}  {op.group(1)[-140:] if op else ''}")
+    return out
 
 
 def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
@@ -186,6 +201,11 @@ def run_one(shape: str, recipe: str, args) -> dict:
         compiled = step.lower(state, batch_dev).compile()
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{shape}_{recipe}")
+        with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
+            f.write(hlo)
     mem = compiled.memory_analysis()
     peak_bytes = None
     if mem is not None:
@@ -208,7 +228,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
             box[0], out = compiled(box[0], batch_dev)
             jax.block_until_ready((box[0], out))
 
-        prof = trace_summary.profile(run_step, args.profile)
+        prof = trace_summary.profile(run_step, args.profile, args.top)
     ms = 1e3 * statistics.median(times)
     flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch
     kind = jax.devices()[0].device_kind
@@ -234,6 +254,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         "finite": bool(m["finite"]),
         "device": kind,
         **count_gemms(hlo),
+        "non_fp8_gemms": non_fp8_gemms(hlo) if use_fp8 else [],
         **({"profile": prof} if prof else {}),
     }
 
@@ -257,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile-only", action="store_true", help="abstract state: compile time and memory")
     p.add_argument("--profile", type=int, default=0, help="trace this many extra steps per recipe")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per profiled recipe")
+    p.add_argument("--hlo-dir", default="", help="write each recipe's compiled HLO text here")
     p.add_argument("--out", default="")
     p.add_argument("--no-measure-peak", action="store_true", help="MFU against the datasheet peak")
     args = p.parse_args(argv)
@@ -299,6 +322,9 @@ def main(argv=None) -> int:
             print(r["recipe"], "kernel ms/step by category:", json.dumps(r["profile"]["by_category_ms"]))
             for name, cat, ms in r["profile"]["top_kernels_ms"]:
                 print(f"    {ms:8.3f} ms  {cat:<10} {name}")
+    for r in results:
+        for line in r["non_fp8_gemms"]:
+            print(f"{r['recipe']}: 16-bit GEMM {line}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax.fp8_cast import CAST_KERNELS, triton_available
 from flux_jax.fp8_dot import (
     AMAX_ALGOS,
     FP8_COLLECTION,
@@ -151,6 +152,18 @@ def validate_config(config, desc: DeviceDescription | None = None) -> None:
     algo = _get(config, "fp8_amax_compute_algo", "max")
     if algo not in AMAX_ALGOS:
         raise ValueError(f"config.fp8_amax_compute_algo={algo!r} is unknown; use one of {AMAX_ALGOS}.")
+    kernel = _get(config, "fp8_cast_kernel", "xla")
+    if kernel not in ("auto", *CAST_KERNELS):
+        raise ValueError(
+            f"config.fp8_cast_kernel={kernel!r} is unknown; use 'auto' or one of {CAST_KERNELS}."
+        )
+    if kernel == "triton" and (reason := triton_available()):
+        raise ValueError(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'.")
+    if kernel == "triton" and jax.device_count() > 1:
+        raise ValueError(
+            "config.fp8_cast_kernel='triton' runs on single-device meshes only (the kernel is not "
+            f"partitioned); this run sees {jax.device_count()} devices. Use 'xla' or 'auto'."
+        )
     desc = desc or describe_device()
     if not supports_fp8_gemm(desc):
         raise ValueError(
@@ -178,7 +191,15 @@ def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:
         amax_compute_algo=_get(config, "fp8_amax_compute_algo", "max"),
         margin=float(_get(config, "fp8_margin", 0)),
         wgrad=bool(_get(config, "fp8_wgrad", True)),
+        cast_kernel=resolve_cast_kernel(_get(config, "fp8_cast_kernel", "xla")),
     )
+
+
+def resolve_cast_kernel(kernel: str) -> str:
+    """'auto' -> 'triton' on one NVIDIA GPU with jax-triton installed, else 'xla'."""
+    if kernel != "auto":
+        return kernel
+    return "triton" if triton_available() is None and jax.device_count() == 1 else "xla"
 
 
 def block_sites(flux_params) -> list[str]:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
+from flux_jax.fp8_cast import CAST_KERNELS, amax_of, cast, fp8_max, quantize
+
 FP8_COLLECTION = "fp8_meta"
 OPERANDS = ("input", "kernel", "output_grad")
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -41,14 +43,10 @@ class Fp8Spec:
     amax_compute_algo: str = "max"
     margin: float = 0.0
     wgrad: bool = True
+    cast_kernel: str = "xla"  # one of fp8_cast.CAST_KERNELS
 
 
-def fp8_max(dtype) -> float:
-    return float(jnp.finfo(dtype).max)
-
-
-def amax_of(x) -> jax.Array:
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+__all__ = ["CAST_KERNELS", "amax_of", "fp8_max", "quantize"]
 
 
 def scale_from_amax(amax, old_scale, dtype, margin):
@@ -69,29 +67,28 @@ def push_history(history, amax):
     return jnp.roll(history, -1).at[0].set(amax)
 
 
-def quantize(x, dtype, scale):
-    m = fp8_max(dtype)
-    scaled = x.astype(jnp.float32) / scale
-    return jnp.clip(scaled, -m, m).astype(dtype)
+def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
+    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries).
 
-
-def tensor_state_update(x, history, scale, dtype, spec: Fp8Spec):
-    """Returns (scale to quantize with now, new history, new scale) for a per-tensor recipe.
-
-    Delayed scaling reads the history *before* the current amax goes in; tensorwise scales by
-    the current amax but still records it so summaries and a later recipe switch see real data.
+    Delayed scaling quantizes with the scale from the history *before* the current amax goes in,
+    so amax and cast share one pass over ``x``; tensorwise scales by the current amax (a first
+    pass) but still records it so summaries and a later recipe switch see real data.
     """
-    amax = amax_of(x)
+    history, old = meta[f"{name}_amax_history"], meta[f"{name}_scale"]
     if spec.recipe == "tensorwise":
-        use = scale_from_amax(amax, scale, dtype, spec.margin)
+        amax = amax_of(x)
+        use = scale_from_amax(amax, old, dtype, spec.margin)
+        q, q_t, _ = cast(x, dtype, use, transpose, spec.cast_kernel)
     else:
-        use = scale_from_amax(history_amax(history, spec.amax_compute_algo), scale, dtype, spec.margin)
-    return use, push_history(history, amax), use
+        use = scale_from_amax(history_amax(history, spec.amax_compute_algo), old, dtype, spec.margin)
+        q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel)
+    return q, q_t, use, {f"{name}_amax_history": push_history(history, amax), f"{name}_scale": use}
 
 
-def _fp8_dot(a, b, sa, sb, out_dtype):
-    """(M,K) fp8 @ (K,N) fp8 with scalar scales folded onto the output."""
-    out = lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+def _fp8_dot_nt(a, b_t, sa, sb, out_dtype):
+    """(M,K) fp8 @ (N,K)^T fp8, both contracted on their minor axis (the FP8 GEMM layout), with
+    the scalar scales folded onto the output."""
+    out = lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     return out * (sa * sb).astype(out_dtype)
 
 
@@ -135,17 +132,14 @@ def _fp8_matmul_fwd(x, w, meta, spec: Fp8Spec, out_dtype, max_grad=False):
             new[f"{name}_scale"] = scale_from_amax(amax, meta[f"{name}_scale"], spec.fwd_dtype, 0.0)
         return y, (x, w, new)
     new = dict(meta)
-    qs = {}
-    for name, v in (("input", x), ("kernel", w)):
-        use, hist, scale = tensor_state_update(
-            v, meta[f"{name}_amax_history"], meta[f"{name}_scale"], spec.fwd_dtype, spec
-        )
-        new[f"{name}_amax_history"], new[f"{name}_scale"] = hist, scale
-        qs[name] = (quantize(v, spec.fwd_dtype, use), use)
-    (qx, sx), (qw, sw) = qs["input"], qs["kernel"]
-    y = _fp8_dot(qx, qw, sx, sw, out_dtype)
+    # x.T feeds the FP8 weight-gradient GEMM; w.T (N,K) the forward, w (K,N) the data gradient.
+    qx, qx_t, sx, upd_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
+    qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    new.update(upd_x)
+    new.update(upd_w)
+    y = _fp8_dot_nt(qx, qw_t, sx, sw, out_dtype)
     # Without an FP8 wgrad the weight-gradient GEMM needs the 16-bit activation.
-    saved_x = (qx, sx) if spec.wgrad else (x, None)
+    saved_x = (qx_t, sx) if spec.wgrad else (x, None)
     return y, (saved_x, (qw, sw), new)
 
 
@@ -168,18 +162,15 @@ def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
         new["output_grad_amax_history"] = push_history(new["output_grad_amax_history"], amax)
         new["output_grad_scale"] = scale_from_amax(amax, new["output_grad_scale"], gd, 0.0)
         return dx, dw, new
-    (sx_val, sx), (qw, sw), new = res
+    (saved_x, sx), (qw, sw), new = res
     new = dict(new)
-    use, hist, scale = tensor_state_update(
-        g, new["output_grad_amax_history"], new["output_grad_scale"], spec.bwd_dtype, spec
-    )
-    new["output_grad_amax_history"], new["output_grad_scale"] = hist, scale
-    qg = quantize(g, spec.bwd_dtype, use)
-    dx = _fp8_dot(qg, qw.T, use, sw, out_dtype)
+    qg, qg_t, sg, upd = cast_with_state(g, new, "output_grad", spec.bwd_dtype, spec, spec.wgrad)
+    new.update(upd)
+    dx = _fp8_dot_nt(qg, qw, sg, sw, out_dtype)
     if spec.wgrad:
-        dw = _fp8_dot(sx_val.T, qg, sx, use, out_dtype)
+        dw = _fp8_dot_nt(saved_x, qg_t, sx, sg, out_dtype)  # (K,M) x (N,M) -> (K,N)
     else:
-        dw = _plain_dot(sx_val.T, g.astype(sx_val.dtype), out_dtype)
+        dw = _plain_dot(saved_x.T, g.astype(saved_x.dtype), out_dtype)
     return dx, dw, new
 
 

@@ -2,7 +2,10 @@
 
 import json
 import os
+import resource
 from typing import Any
+
+import jax
 
 # Dense peak FLOP/s (no sparsity) per device, by a substring of jax's device_kind.
 _PEAK_FLOPS = {
@@ -48,6 +51,21 @@ def peak_flops(device_kind: str, fp8: bool) -> float | None:
         if name.lower() in device_kind.lower():
             return peaks["fp8" if fp8 else "bf16"]
     return None
+
+
+def memory_metrics() -> dict[str, float]:
+    """Memory of this process, GiB: device peak / in use / limit (largest over the local devices,
+    where the backend keeps allocator stats: GPUs, not CPU) and the host's peak resident set."""
+    out = {"host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    for key, name in (
+        ("peak_bytes_in_use", "peak_memory_gib"),
+        ("bytes_in_use", "memory_in_use_gib"),
+        ("bytes_limit", "memory_limit_gib"),
+    ):
+        if stats and all(key in s for s in stats):
+            out[name] = max(s[key] for s in stats) / 2**30
+    return out
 
 
 class MetricWriter:

@@ -376,6 +376,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     "images_per_sec": steps_s * config.global_batch_size,
                     "model_tflops_per_sec": steps_s * config.global_batch_size * flops / 1e12,
                     "nonfinite_skipped": skipped,
+                    **metrics.memory_metrics(),
                 }
                 peak = metrics.peak_flops(jax.devices()[0].device_kind, use_fp8)
                 if peak:
@@ -383,7 +384,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 if use_fp8:
                     values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
                 writer.write(done, values)
-                bar.set_postfix(loss=f"{values['loss']:.4f}", img_s=f"{values['images_per_sec']:.1f}")
+                mem = values.get("peak_memory_gib", values["host_peak_rss_gib"])
+                bar.set_postfix(
+                    loss=f"{values['loss']:.4f}",
+                    img_s=f"{values['images_per_sec']:.1f}",
+                    mem_gib=f"{mem:.1f}",
+                )
                 result["train_loss"] = values["loss"]
                 window, t_last, step_last = [], time.perf_counter(), done
             bar.update(1)

@@ -49,6 +49,10 @@ def test_train_bf16_end_to_end_and_resume(tmp_path):
     assert [x["step"] for x in train_lines] == [1, 2, 3]
     for key in ("loss", "grad_norm", "lr", "steps_per_sec", "images_per_sec", "nonfinite_skipped"):
         assert key in train_lines[-1]
+    # Host memory everywhere; device allocator peaks where the backend keeps them (GPU).
+    assert 0.05 < train_lines[-1]["host_peak_rss_gib"] < 64
+    if jax.default_backend() == "gpu":
+        assert 0 < train_lines[-1]["peak_memory_gib"] <= train_lines[-1]["memory_limit_gib"]
     val = [x for x in lines if x["split"] == "val"][-1]
     assert all(f"loss_t{k}" in val for k in range(8))
     assert json.load(open(os.path.join(workdir, "config.json")))["model"]["preset"] == "tiny"

@@ -1,0 +1,127 @@
+"""FP8 casts for the GEMM operands: amax + quantize (+ the transposed copy) of a 2-D tensor.
+
+An FP8 GEMM on Hopper and MI300 takes both operands with the contracted axis minor, so the
+backward pass needs a second, transposed FP8 copy of the input and of the output gradient. Two
+implementations with one contract, ``cast(x, dtype, scale, transpose) -> (q, q_t, amax)``:
+
+- ``"xla"``: plain jnp; XLA fuses what it can. Runs everywhere (CPU tests, CUDA, ROCm).
+- ``"triton"``: one jax-triton kernel that reads ``x`` once and writes ``q``, ``q.T`` and
+  per-tile amaxes (NVIDIA GPUs; needs the ``gpu`` extra). Bit-identical to ``"xla"``.
+
+Scale convention as in ``fp8_dot``: ``q = clip(x / scale, -max, max)``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CAST_KERNELS = ("xla", "triton")
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def amax_of(x) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def quantize(x, dtype, scale):
+    m = fp8_max(dtype)
+    scaled = x.astype(jnp.float32) / scale
+    return jnp.clip(scaled, -m, m).astype(dtype)
+
+
+def cast_xla(x, dtype, scale, transpose: bool):
+    q = quantize(x, dtype, scale)
+    return q, (q.T if transpose else None), amax_of(x)
+
+
+def triton_available() -> str | None:
+    """None when the triton cast can run here, else the reason it cannot."""
+    if jax.default_backend() != "gpu":
+        return f"the default JAX backend is {jax.default_backend()!r}, not a GPU"
+    device = jax.devices()[0]
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        return "the Triton cast kernel is untested on ROCm"
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return "jax-triton is not installed (pip install 'flux_jax[gpu]')"
+    return None
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_transpose_amax(
+        x_ptr,
+        scale_ptr,
+        q_ptr,
+        qt_ptr,
+        amax_ptr,
+        M: tl.constexpr,
+        K: tl.constexpr,
+        fmax: tl.constexpr,
+        transpose: tl.constexpr,
+        block_m: tl.constexpr,
+        block_k: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = pid_m * block_m + tl.arange(0, block_m)
+        rk = pid_k * block_k + tl.arange(0, block_k)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        # tl.max drops NaN; a NaN anywhere makes the tile amax inf, so the scale update skips it.
+        nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+        a = tl.where(nan > 0, float("inf"), a)
+        tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_k, a)
+        scale = tl.load(scale_ptr)
+        q = tl.clamp(x / scale, -fmax, fmax).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        if transpose:
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    return cast_transpose_amax
+
+
+def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: int = 128):
+    import jax_triton as jt
+
+    m, k = x.shape
+    grid = (-(-m // block_m), -(-k // block_k))
+    out_shape = [
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct((k, m) if transpose else (1, 1), dtype),
+        jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32),
+    ]
+    q, q_t, tile_amax = jt.triton_call(
+        x,
+        jnp.reshape(scale, (1,)).astype(jnp.float32),
+        kernel=_kernel(),
+        out_shape=out_shape,
+        grid=grid,
+        num_warps=4,
+        M=m,
+        K=k,
+        fmax=fp8_max(dtype),
+        transpose=transpose,
+        block_m=block_m,
+        block_k=block_k,
+    )
+    return q, (q_t if transpose else None), jnp.max(tile_amax)
+
+
+def cast(x, dtype, scale, transpose: bool, kernel: str = "xla"):
+    """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``."""
+    if kernel == "triton" and x.ndim == 2 and np.prod(x.shape) > 0:
+        return cast_triton(x, dtype, scale, transpose)
+    return cast_xla(x, dtype, scale, transpose)

@@ -1,0 +1,92 @@
+"""The FP8 operand casts: XLA semantics everywhere, the Triton kernel bit-equal to it on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from flux_jax import fp8, fp8_cast
+from flux_jax.fp8_dot import Fp8Spec, fp8_matmul
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="the Triton cast runs on an NVIDIA GPU only")
+
+
+def _x(shape, seed=0, dtype=jnp.bfloat16, scale=3.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, dtype)
+
+
+def test_xla_cast_quantizes_transposes_and_measures_amax():
+    x = _x((48, 80))
+    scale = jnp.float32(0.01)  # 3-sigma values ~9 -> 900 > 448: some saturate
+    q, q_t, amax = fp8_cast.cast_xla(x, jnp.float8_e4m3fn, scale, transpose=True)
+    ref = np.clip(np.asarray(x, np.float32) / 0.01, -448, 448)
+    want = np.asarray(jnp.asarray(ref).astype(q.dtype), np.float32)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), want)
+    np.testing.assert_array_equal(np.asarray(q_t), np.asarray(q).T)
+    assert float(amax) == float(np.max(np.abs(np.asarray(x, np.float32))))
+    assert np.max(np.abs(np.asarray(q, np.float32))) == 448.0
+    _, none, _ = fp8_cast.cast_xla(x, jnp.float8_e4m3fn, scale, transpose=False)
+    assert none is None
+
+
+def _config(**kw):
+    c = ml_collections.ConfigDict(
+        dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_cast_kernel="xla")
+    )
+    c.update(kw)
+    return c
+
+
+def test_unknown_cast_kernel_is_named():
+    with pytest.raises(ValueError, match="fp8_cast_kernel='cuda'"):
+        fp8.validate_config(_config(fp8_cast_kernel="cuda"), fp8.DeviceDescription("cpu"))
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error off GPU")
+def test_triton_cast_off_gpu_is_a_clear_error_and_auto_falls_back_to_xla():
+    with pytest.raises(ValueError, match="fp8_cast_kernel='triton' cannot run here.*not a GPU"):
+        fp8.validate_config(_config(fp8_cast_kernel="triton"), fp8.DeviceDescription("cpu"))
+    spec = fp8.spec_from_config(_config(fp8_cast_kernel="auto"), fp8.DeviceDescription("cpu"))
+    assert spec.cast_kernel == "xla"
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", [(6144, 3072), (2048, 12288), (100, 200), (3072, 9216)])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_triton_cast_is_bit_equal_to_xla(shape, dtype):
+    x = _x(shape, seed=shape[0])
+    scale = jnp.float32(float(jnp.max(jnp.abs(x))) / fp8_cast.fp8_max(dtype) * 0.5)  # half saturates
+    want = jax.jit(fp8_cast.cast_xla, static_argnums=(1, 3))(x, dtype, scale, True)
+    got = jax.jit(fp8_cast.cast_triton, static_argnums=(1, 3))(x, dtype, scale, True)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+@gpu_only
+def test_triton_cast_amax_is_inf_on_nan_so_the_scale_update_skips():
+    x = _x((256, 256)).at[17, 33].set(jnp.nan)
+    _, _, amax = jax.jit(fp8_cast.cast_triton, static_argnums=(1, 3))(x, jnp.float8_e4m3fn, 1.0, True)
+    assert not np.isfinite(float(amax))
+
+
+@gpu_only
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_matmul_with_triton_cast_equals_xla_cast(recipe):
+    x, w, g = _x((1024, 768), 1), _x((768, 512), 2, scale=0.05), _x((1024, 512), 3, scale=1e-3)
+    meta = {
+        f"{n}_{k}": v
+        for n in ("input", "kernel", "output_grad")
+        for k, v in (("amax_history", jnp.full((4,), 2.0, jnp.float32)), ("scale", jnp.float32(2.0 / 448)))
+    }
+
+    def run(kernel):
+        spec = Fp8Spec(recipe=recipe, amax_history_len=4, cast_kernel=kernel)
+        f = lambda x, w, meta: fp8_matmul(x, w, meta, spec, jnp.bfloat16)  # noqa: E731
+        y, vjp = jax.vjp(f, x, w, meta)
+        return y, *vjp(g.astype(y.dtype))
+
+    want, got = jax.jit(lambda: run("xla"))(), jax.jit(lambda: run("triton"))()
+    for w_, g_ in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g_, np.float32), np.asarray(w_, np.float32))
