@@ -319,7 +319,12 @@ def main(argv=None) -> int:
         )
     for r in results:
         if "profile" in r:
-            print(r["recipe"], "kernel ms/step by category:", json.dumps(r["profile"]["by_category_ms"]))
+            prof = r["profile"]
+            print(
+                f"{r['recipe']}: {prof['kernel_ms_per_step']} kernel ms, {prof['kernels_per_step']} kernels "
+                f"per step (wall {r['ms_per_step']:.2f} ms); by category:",
+                json.dumps(prof["by_category_ms"]),
+            )
             for name, cat, ms in r["profile"]["top_kernels_ms"]:
                 print(f"    {ms:8.3f} ms  {cat:<10} {name}")
     for r in results:

@@ -35,10 +35,11 @@ def category(name: str) -> str:
     return "other"
 
 
-def kernel_times(xplane_path: str) -> dict[str, float]:
-    """Total ns per kernel name over the GPU stream lines of one trace."""
+def kernel_times(xplane_path: str, counts: dict[str, int] | None = None) -> dict[str, float]:
+    """Total ns per kernel name over the GPU stream lines of one trace (launches into ``counts``)."""
     data = jax.profiler.ProfileData.from_file(xplane_path)
     totals: dict[str, float] = collections.defaultdict(float)
+    counts = counts if counts is not None else {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -47,10 +48,11 @@ def kernel_times(xplane_path: str) -> dict[str, float]:
                 continue
             for event in line.events:
                 totals[event.name] += event.duration_ns
+                counts[event.name] = counts.get(event.name, 0) + 1
     return dict(totals)
 
 
-def summarize(totals: dict[str, float], steps: int, top: int = 15) -> dict:
+def summarize(totals: dict[str, float], steps: int, top: int = 15, counts: dict | None = None) -> dict:
     per_cat: dict[str, float] = collections.defaultdict(float)
     for name, ns in totals.items():
         per_cat[category(name)] += ns
@@ -58,6 +60,7 @@ def summarize(totals: dict[str, float], steps: int, top: int = 15) -> dict:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return {
         "kernel_ms_per_step": ms(sum(totals.values())),
+        "kernels_per_step": round(sum((counts or {}).values()) / steps, 1),
         "by_category_ms": {k: ms(v) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": [(name[:120], category(name), ms(ns)) for name, ns in ranked],
     }
@@ -75,4 +78,5 @@ def profile(run_step, steps: int = 5, top: int = 15) -> dict:
         paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             return {"error": f"no .xplane.pb written under {tmp}"}
-        return summarize(kernel_times(paths[0]), steps, top)
+        counts: dict[str, int] = {}
+        return summarize(kernel_times(paths[0], counts), steps, top, counts)

@@ -4,6 +4,8 @@ XLA falls back silently to a 16-bit dot when it cannot rewrite an FP8 dot, so th
 check is the compiled HLO.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 
@@ -15,11 +17,29 @@ FP8_GEMM_TARGETS = ("__cublas$lt$matmul$f8", "__hipblaslt$matmul$f8")
 
 
 def count_fp8_gemms(hlo_text: str) -> int:
-    """FP8 GEMM custom calls in compiled HLO text."""
-    return sum(
+    """FP8 GEMMs in compiled HLO text: cuBLASLt / hipBLASLt FP8 custom calls plus the FP8 dots
+    XLA's autotuner gave to its own Triton GEMM emitter (``gemm_fusion`` with f8 operands)."""
+    custom = sum(
         1
         for line in hlo_text.splitlines()
         if "custom-call" in line and any(t in line for t in FP8_GEMM_TARGETS)
+    )
+    return custom + count_fp8_triton_gemms(hlo_text)
+
+
+def count_fp8_triton_gemms(hlo_text: str) -> int:
+    """Call sites of Triton GEMM fusions whose computation takes f8 operands."""
+    f8_computations = set()
+    for line in hlo_text.splitlines():
+        head = re.match(r"%(\S*gemm_fusion\S*) \((.*)\) -> ", line)
+        if head and re.search(r": f8e\w+\[", head.group(2)):
+            f8_computations.add(head.group(1))
+    return sum(
+        1
+        for line in hlo_text.splitlines()
+        if "kind=kCustom" in line
+        and (m := re.search(r"calls=%([^,\s]+)", line))
+        and m.group(1) in f8_computations
     )
 
 

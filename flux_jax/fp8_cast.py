@@ -93,7 +93,7 @@ def _kernel():
     return cast_transpose_amax
 
 
-def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: int = 128):
+def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: int = 128, num_warps: int = 4):
     import jax_triton as jt
 
     m, k = x.shape
@@ -109,7 +109,7 @@ def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: in
         kernel=_kernel(),
         out_shape=out_shape,
         grid=grid,
-        num_warps=4,
+        num_warps=num_warps,
         M=m,
         K=k,
         fmax=fp8_max(dtype),

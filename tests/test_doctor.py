@@ -19,6 +19,26 @@ def test_count_fp8_gemms_parses_hlo_lines():
     assert doctor.count_fp8_dots(hlo) == 1
 
 
+def test_count_fp8_gemms_includes_fp8_dots_in_xla_triton_gemm_fusions():
+    # Shapes of the H200 HLO where XLA's autotuner gave an FP8 dot to its Triton GEMM emitter:
+    # two call sites share one deduplicated f8 computation; a bf16 gemm fusion does not count.
+    hlo = "\n".join(
+        [
+            "%gemm_fusion_dot.1_computation (p0: f8e4m3fn[4096,12288], p1: f8e4m3fn[12288,3072], "
+            "p2: f32[]) -> bf16[4096,3072] {",
+            "%gemm_fusion_dot.2_computation (p0: bf16[4,3072], p1: bf16[3072,3072]) -> bf16[4,3072] {",
+            "  %gemm_fusion_dot.1 = bf16[4096,3072]{1,0} fusion(%a, %b, %s), kind=kCustom, "
+            "calls=%gemm_fusion_dot.1_computation, metadata={}",
+            "  %gemm_fusion_dot.7 = bf16[4096,3072]{1,0} fusion(%c, %d, %t), kind=kCustom, "
+            "calls=%gemm_fusion_dot.1_computation, metadata={}",
+            "  %gemm_fusion_dot.2 = bf16[4,3072]{1,0} fusion(%e, %f), kind=kCustom, "
+            "calls=%gemm_fusion_dot.2_computation, metadata={}",
+        ]
+    )
+    assert doctor.count_fp8_triton_gemms(hlo) == 2
+    assert doctor.count_fp8_gemms(hlo) == 2
+
+
 def test_report_on_this_machine():
     r = doctor.report()
     assert r["platform"] == jax.devices()[0].platform or r["platform"] in ("cuda", "rocm")

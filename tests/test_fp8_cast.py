@@ -60,8 +60,9 @@ def test_triton_cast_is_bit_equal_to_xla(shape, dtype):
     scale = jnp.float32(float(jnp.max(jnp.abs(x))) / fp8_cast.fp8_max(dtype) * 0.5)  # half saturates
     want = jax.jit(fp8_cast.cast_xla, static_argnums=(1, 3))(x, dtype, scale, True)
     got = jax.jit(fp8_cast.cast_triton, static_argnums=(1, 3))(x, dtype, scale, True)
-    for w, g in zip(want, got):
+    for w, g in zip(want[:2], got[:2]):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert float(got[2]) == float(want[2])
 
 
 @gpu_only

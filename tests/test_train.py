@@ -166,11 +166,6 @@ def test_flops_formula_matches_mlperf_figure():
     jax.default_backend() != "gpu", reason="FP8 GEMM custom calls exist only on a GPU backend"
 )
 @pytest.mark.parametrize("wgrad", [True, False])
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: on the H200 image (jax 0.11.2) 28 of 30 (wgrad) / 18 of 20 (no wgrad) block GEMMs "
-    "are FP8; the same two are missing at every depth (70 of 72 at 2+4 blocks), not yet identified",
-)
 def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
     from configs import flux_535m
     from flux_jax import doctor
@@ -203,5 +198,6 @@ def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
     step = jax.jit(train.make_train_step(config, net, tx, num_micro=1, use_fp8=True))
     hlo = step.lower(state, batch).compile().as_text()
     # Token GEMMs: qkv, proj, mlp_0, mlp_2 per stream of a double block; linear1, linear2 per single.
+    # XLA may give some FP8 dots to its own Triton GEMM emitter; count_fp8_gemms counts those too.
     linears = 8 * fp.depth + 2 * fp.depth_single_blocks
     assert doctor.count_fp8_gemms(hlo) == linears * (3 if wgrad else 2)
