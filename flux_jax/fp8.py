@@ -27,6 +27,7 @@ from flux_jax.fp8_dot import (
     Fp8Spec,
     as_max_grad,
     from_max_grad,
+    update_states,
 )
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "make_policy",
     "validate_config",
     "merge_states",
+    "update_states",
     "summarize",
 ]
 
@@ -242,7 +244,8 @@ def make_policy(
 
 
 def merge_states(a, b):
-    """Elementwise max of two fp8_meta trees (amax from several microbatches combines by max)."""
+    """Elementwise max of two fp8_meta trees or of two steps' observed amaxes (the fp8_meta
+    gradients of several micro batches combine by max before one ``update_states``)."""
     return jax.tree.map(jnp.maximum, a, b)
 
 
