@@ -27,7 +27,6 @@ from flux_jax.fp8_dot import (
     Fp8Spec,
     as_max_grad,
     from_max_grad,
-    update_states,
 )
 
 __all__ = [
@@ -46,7 +45,6 @@ __all__ = [
     "make_policy",
     "validate_config",
     "merge_states",
-    "update_states",
     "summarize",
 ]
 
@@ -244,8 +242,7 @@ def make_policy(
 
 
 def merge_states(a, b):
-    """Elementwise max of two fp8_meta trees or of two steps' observed amaxes (the fp8_meta
-    gradients of several micro batches combine by max before one ``update_states``)."""
+    """Elementwise max of two fp8_meta trees (amax from several microbatches combines by max)."""
     return jax.tree.map(jnp.maximum, a, b)
 
 

@@ -6,21 +6,15 @@ hipBLASLt FP8 GEMM. A quantize-dequantize formulation is easily broken by other 
 silently falls back to a 16-bit dot.
 
 Scale convention: ``scale`` is the divisor, ``q = clip(x / scale, -max, max)``, ``x ~= q * scale``.
-State lives in the ``fp8_meta`` collection. The forward quantizes with the stored scales; the
-"gradient" of the state is what the step observed: the amax of each operand in the ``*_scale``
-leaf (zeros in ``*_amax_history``). ``update_states`` then turns the old state and those amaxes
-into the new state for every layer at once (history push, scale from the history), as Transformer
-Engine's fused amax-and-scale update does after the backward pass, instead of hundreds of tiny
-per-layer updates inside the step.
+State lives in the ``fp8_meta`` collection; its new value is returned as the cotangent of the old
+one (overwrite-with-gradient), so the train step takes it from the gradient tree.
 """
 
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -74,83 +68,21 @@ def push_history(history, amax):
 
 
 def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
-    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, amax of x).
+    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries).
 
-    Delayed scaling quantizes with the stored scale (from the history before this step), so amax
-    and cast share one pass over ``x``; tensorwise scales by the current amax (a first pass).
+    Delayed scaling quantizes with the scale from the history *before* the current amax goes in,
+    so amax and cast share one pass over ``x``; tensorwise scales by the current amax (a first
+    pass) but still records it so summaries and a later recipe switch see real data.
     """
+    history, old = meta[f"{name}_amax_history"], meta[f"{name}_scale"]
     if spec.recipe == "tensorwise":
         amax = amax_of(x)
-        use = scale_from_amax(amax, meta[f"{name}_scale"], dtype, spec.margin)
+        use = scale_from_amax(amax, old, dtype, spec.margin)
         q, q_t, _ = cast(x, dtype, use, transpose, spec.cast_kernel)
-        return q, q_t, use, amax
-    use = meta[f"{name}_scale"]
-    q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel)
-    return q, q_t, use, amax
-
-
-def observed(meta, name, amax):
-    """The cotangent entries of one operand's state: its amax; nothing for the history."""
-    return {f"{name}_amax_history": jnp.zeros_like(meta[f"{name}_amax_history"]), f"{name}_scale": amax}
-
-
-def _state_paths(tree, path=()):
-    """Paths of the Fp8DotGeneral state dicts (the ones holding ``input_amax_history``)."""
-    if "input_amax_history" in tree:
-        yield path
-        return
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from _state_paths(value, path + (key,))
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def update_states(meta, observations, spec: Fp8Spec):
-    """The new fp8_meta from the old one and one step's observed amaxes (the fp8_meta gradient).
-
-    Each operand's history gets its amax pushed in (``push_history``); its scale comes from the new
-    history (delayed: ``amax_compute_algo`` over it) or from the amax itself (tensorwise, rowwise),
-    and stays as it was when that amax is zero or not finite. All layers are updated as one
-    batched array computation: a few kernels per step instead of several per layer.
-    """
-    paths = list(_state_paths(meta))
-    if not paths:
-        return meta
-    items = [(p, name) for p in paths for name in OPERANDS]
-    hists = [_at(meta, p)[f"{n}_amax_history"] for p, n in items]
-    length = hists[0].shape[-1]
-    flat = lambda xs: jnp.concatenate([jnp.reshape(x, (-1,)).astype(jnp.float32) for x in xs])  # noqa: E731
-    history = jnp.concatenate([jnp.reshape(h, (-1, length)) for h in hists])
-    scale = flat([_at(meta, p)[f"{n}_scale"] for p, n in items])
-    amax = flat([_at(observations, p)[f"{n}_scale"] for p, n in items])
-    fmax = flat(
-        [
-            jnp.full(h.shape[:-1], fp8_max(spec.bwd_dtype if n == "output_grad" else spec.fwd_dtype))
-            for h, (_, n) in zip(hists, items)
-        ]
-    )
-    history = jnp.roll(history, -1, axis=1).at[:, 0].set(amax)
-    if spec.recipe == "delayed":
-        ref = history[:, 0] if spec.amax_compute_algo == "most_recent" else jnp.max(history, axis=1)
     else:
-        ref = amax
-    margin = 0.0 if spec.recipe == "rowwise" else spec.margin
-    usable = jnp.isfinite(ref) & (ref > 0)
-    scale = jnp.where(usable, ref * (2.0**margin) / fmax, scale)
-    new = flax.core.unfreeze(meta)  # fresh containers, same leaves
-    offset = 0
-    for (p, n), h in zip(items, hists):
-        count = math.prod(h.shape[:-1])
-        state = _at(new, p)
-        state[f"{n}_amax_history"] = history[offset : offset + count].reshape(h.shape)
-        state[f"{n}_scale"] = scale[offset : offset + count].reshape(h.shape[:-1])
-        offset += count
-    return new
+        use = scale_from_amax(history_amax(history, spec.amax_compute_algo), old, dtype, spec.margin)
+        q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel)
+    return q, q_t, use, {f"{name}_amax_history": push_history(history, amax), f"{name}_scale": use}
 
 
 def _fp8_dot_nt(a, b_t, sa, sb, out_dtype):
@@ -193,42 +125,53 @@ def _fp8_matmul_fwd(x, w, meta, spec: Fp8Spec, out_dtype, max_grad=False):
         meta = from_max_grad(meta)
     if spec.recipe == "rowwise":
         y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
-        obs = observed(meta, "input", amax_of(x)) | observed(meta, "kernel", amax_of(w))
-        return y, (x, w, meta, obs)
+        new = dict(meta)
+        for name, v in (("input", x), ("kernel", w)):
+            amax = amax_of(v)
+            new[f"{name}_amax_history"] = push_history(meta[f"{name}_amax_history"], amax)
+            new[f"{name}_scale"] = scale_from_amax(amax, meta[f"{name}_scale"], spec.fwd_dtype, 0.0)
+        return y, (x, w, new)
+    new = dict(meta)
     # x.T feeds the FP8 weight-gradient GEMM; w.T (N,K) the forward, w (K,N) the data gradient.
-    qx, qx_t, sx, amax_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
-    qw, qw_t, sw, amax_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
-    obs = observed(meta, "input", amax_x) | observed(meta, "kernel", amax_w)
+    qx, qx_t, sx, upd_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
+    qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    new.update(upd_x)
+    new.update(upd_w)
     y = _fp8_dot_nt(qx, qw_t, sx, sw, out_dtype)
     # Without an FP8 wgrad the weight-gradient GEMM needs the 16-bit activation.
     saved_x = (qx_t, sx) if spec.wgrad else (x, None)
-    return y, (saved_x, (qw, sw), meta, obs)
+    return y, (saved_x, (qw, sw), new)
 
 
 def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, res, g):
-    dx, dw, obs = _fp8_matmul_grads(spec, out_dtype, res, g)
-    return dx, dw, as_max_grad(obs) if max_grad else obs
+    dx, dw, new = _fp8_matmul_grads(spec, out_dtype, res, g)
+    return dx, dw, as_max_grad(new) if max_grad else new
 
 
 def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
     if spec.recipe == "rowwise":
-        x, w, meta, obs = res
+        x, w, new = res
         gd = spec.bwd_dtype
         dx = rowwise_matmul(g, w.T, gd, spec.fwd_dtype, x.dtype)
         if spec.wgrad:
             dw = rowwise_matmul(x.T, g, spec.fwd_dtype, gd, w.dtype)
         else:
             dw = _plain_dot(x.T, g.astype(x.dtype), w.dtype)
-        return dx, dw, obs | observed(meta, "output_grad", amax_of(g))
-    (saved_x, sx), (qw, sw), meta, obs = res
-    qg, qg_t, sg, amax_g = cast_with_state(g, meta, "output_grad", spec.bwd_dtype, spec, spec.wgrad)
-    obs = obs | observed(meta, "output_grad", amax_g)
+        amax = amax_of(g)
+        new = dict(new)
+        new["output_grad_amax_history"] = push_history(new["output_grad_amax_history"], amax)
+        new["output_grad_scale"] = scale_from_amax(amax, new["output_grad_scale"], gd, 0.0)
+        return dx, dw, new
+    (saved_x, sx), (qw, sw), new = res
+    new = dict(new)
+    qg, qg_t, sg, upd = cast_with_state(g, new, "output_grad", spec.bwd_dtype, spec, spec.wgrad)
+    new.update(upd)
     dx = _fp8_dot_nt(qg, qw, sg, sw, out_dtype)
     if spec.wgrad:
         dw = _fp8_dot_nt(saved_x, qg_t, sx, sg, out_dtype)  # (K,M) x (N,M) -> (K,N)
     else:
         dw = _plain_dot(saved_x.T, g.astype(saved_x.dtype), out_dtype)
-    return dx, dw, obs
+    return dx, dw, new
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -2,8 +2,7 @@
 
 train_and_evaluate runs the chain config -> mesh -> data -> model (+ fp8 state) -> step function ->
 checkpoint, top to bottom. The step differentiates the loss with respect to (params, fp8_meta); the
-"gradient" of fp8_meta holds the amaxes the step observed, fp8.update_states turns them into the
-new state for all layers at once, and only params go through clipping and AdamW.
+"gradient" of fp8_meta is its new value, and only params go through clipping and AdamW.
 """
 
 import dataclasses
@@ -147,7 +146,6 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
         return flow.loss(pred, target)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
-    fp8_spec = fp8.spec_from_config(config) if use_fp8 else None
 
     def micro_grads(params, fp8_meta, batch):
         loss, (g, new_meta) = grad_fn(params, fp8_meta, batch)
@@ -195,8 +193,6 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
             (loss, grads, new_meta), _ = jax.lax.scan(body, init, micro_batches)
             loss = loss / num_micro
             grads = jax.tree.map(lambda g: g / num_micro, grads)
-        if use_fp8:
-            new_meta = fp8.update_states(fp8_meta, new_meta, fp8_spec)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
