@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -247,6 +248,8 @@ class PreemptionGuard:
         return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
 
     def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be installed from the main thread
         for sig in self._SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self

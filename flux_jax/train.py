@@ -337,10 +337,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # ---- Train loop ---------------------------------------------------------------------------
     first = int(state["step"])
     result = {"train_loss": None, "val_loss": None, "nonfinite_skipped": 0, "fp8": use_fp8}
+    result["preempted"] = False
     consecutive, skipped, window = 0, 0, []
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     t_last, step_last = time.perf_counter(), first
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    guard = checkpoint.install_preemption_handler()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
@@ -394,6 +396,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 window, t_last, step_last = [], time.perf_counter(), done
             bar.update(1)
             ckpt.save(done, state, train_iter.get_state(), force=done == config.train_iters)
+            if guard.preempted():
+                # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
+                ckpt.save(done, state, train_iter.get_state(), force=True)
+                log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
+                result["preempted"] = True
+                break
             last = done == config.train_iters
             if config.eval_interval and (done % config.eval_interval == 0 or last):
                 result["val_loss"] = run_eval(done)

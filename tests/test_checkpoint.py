@@ -295,7 +295,7 @@ def losses(workdir) -> dict[int, float]:
     }  # a resumed step's last line wins
 
 
-def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
+def test_sigkill_or_sigterm_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     run_train(tmp_path / "reference")
     killed = run_train(tmp_path / "killed", wait=False)
     first = tmp_path / "killed" / "checkpoints" / "2"
@@ -307,3 +307,15 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     run_train(tmp_path / "killed")
     assert losses(tmp_path / "killed") == losses(tmp_path / "reference")
     assert sorted(losses(tmp_path / "reference")) == list(range(1, 9))
+
+    # SIGTERM (preemption) saves the step it stopped at: nothing is lost, and the resume matches.
+    stopped = run_train(tmp_path / "stopped", wait=False)
+    while not (tmp_path / "stopped" / "checkpoints" / "2").exists() and stopped.poll() is None:
+        time.sleep(0.02)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=600) == 0, stopped.stderr.read().decode()[-3000:]
+    saved = checkpoint.Checkpointer(tmp_path / "stopped", make_config()).latest_step()
+    assert 2 <= saved < 8, "the run finished before the signal arrived"
+    assert max(losses(tmp_path / "stopped")) == saved
+    run_train(tmp_path / "stopped")
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "reference")
