@@ -4,6 +4,10 @@ Times the real jitted train step of flux_jax.train (forward, backward, AdamW, FP
 synthetic device-resident batches, after warm-up, as the median of many synchronised steps.
 
     python benchmarks/step.py --shape block --recipes bf16,delayed,tensorwise --out results.json
+    python benchmarks/step.py --recipes "bf16,delayed,delayed@fp8_cast_kernel=xla"   # config variants
+
+FP8 recipes take the flux-535m config's FP8 fields, so ``fp8_cast_kernel="auto"`` (the Triton cast on
+one NVIDIA GPU); ``@field=value;field=value`` overrides any config field for one variant.
 
 Shapes:
   block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
