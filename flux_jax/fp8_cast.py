@@ -51,6 +51,10 @@ def triton_available() -> str | None:
         import jax_triton  # noqa: F401
     except ImportError:
         return "jax-triton is not installed (pip install 'flux_jax[gpu]')"
+    if jax.device_count() > 1:
+        return (
+            f"this run sees {jax.device_count()} devices and the kernel is not partitioned (one device only)"
+        )
     return None
 
 
