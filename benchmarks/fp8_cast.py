@@ -1,6 +1,6 @@
 """FP8 operand cast (amax + quantize + transposed copy): XLA vs the jax-triton kernel, per tile shape.
 
-    python benchmarks/fp8_cast.py [--iters 50] [--out cast.json]
+    PYTHONPATH=. python benchmarks/fp8_cast.py [--iters 50] [--out cast.json]
 
 Times ``jit(fp8_cast.cast_xla)`` and ``jit(fp8_cast.cast_triton)`` on bf16 inputs of the Flux block
 GEMM operand shapes (activations M = batch x tokens, weights K x N), median of ``--iters`` calls,
@@ -9,27 +9,16 @@ and reports effective GB/s (bytes read + written: 2 per element in, 1 per FP8 co
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import fp8_gemm
 from flux_jax import fp8_cast
 
 SHAPES = [(6144, 3072), (6144, 15360), (4096, 12288), (2048, 3072), (3072, 21504), (12288, 3072)]
 TILES = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4), (128, 64, 4), (32, 128, 4), (64, 64, 4)]
-
-
-def _time(f, *args, iters: int) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -44,10 +33,10 @@ def main(argv=None) -> int:
         nbytes = x.size * (2 + 2)
         row = {"shape": shape}
         xla = jax.jit(lambda x: fp8_cast.cast_xla(x, dtype, scale, True))
-        row["xla_us"] = 1e6 * _time(xla, x, iters=args.iters)
+        row["xla_us"] = 1e6 * fp8_gemm.median_seconds(xla, (x,), args.iters)
         for bm, bk, warps in TILES:
             f = jax.jit(lambda x, t=(bm, bk, warps): fp8_cast.cast_triton(x, dtype, scale, True, *t))
-            row[f"triton_{bm}x{bk}w{warps}_us"] = 1e6 * _time(f, x, iters=args.iters)
+            row[f"triton_{bm}x{bk}w{warps}_us"] = 1e6 * fp8_gemm.median_seconds(f, (x,), args.iters)
         best = min((k for k in row if k.startswith("triton")), key=row.get)
         row["best"] = best
         row["best_gb_s"] = nbytes / row[best] / 1e3

@@ -40,9 +40,8 @@ def _fp8_fwd_bwd(module):
     return run
 
 
-def time_case(fn, args, iters, warmup):
-    jitted = jax.jit(fn)
-    text = jitted.lower(*args).compile().as_text()
+def median_seconds(jitted, args, iters, warmup=1) -> float:
+    """Median wall time of ``jitted(*args)`` with device synchronisation, after ``warmup`` calls."""
     for _ in range(warmup):
         jax.block_until_ready(jitted(*args))
     times = []
@@ -50,7 +49,13 @@ def time_case(fn, args, iters, warmup):
         t0 = time.perf_counter()
         jax.block_until_ready(jitted(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), doctor.count_fp8_gemms(text)
+    return statistics.median(times)
+
+
+def time_case(fn, args, iters, warmup):
+    jitted = jax.jit(fn)
+    text = jitted.lower(*args).compile().as_text()
+    return median_seconds(jitted, args, iters, warmup), doctor.count_fp8_gemms(text)
 
 
 def run(shapes, recipes, iters, warmup, on_row=lambda rows: None):

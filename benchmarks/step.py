@@ -91,22 +91,25 @@ def synthetic_batch(fp, batch: int, side: int, txt_len: int, rng: np.random.Gene
     }
 
 
-def count_gemms(hlo: str) -> dict[str, int]:
-    """All GEMM custom calls, and those that are FP8 (``doctor.count_fp8_gemms``)."""
-    gemms = sum(
-        1
+def gemm_calls(hlo: str) -> list[str]:
+    """The HLO lines of GEMM custom calls (cuBLAS/cuBLASLt/hipBLASLt and cuDNN matmuls)."""
+    return [
+        ln
         for ln in hlo.splitlines()
         if "custom-call" in ln and ("gemm" in ln.lower() or "matmul" in ln.lower())
-    )
-    return {"gemm_custom_calls": gemms, "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo)}
+    ]
+
+
+def count_gemms(hlo: str) -> dict[str, int]:
+    """All GEMM custom calls, and the FP8 GEMMs (``doctor.count_fp8_gemms``)."""
+    return {"gemm_custom_calls": len(gemm_calls(hlo)), "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo)}
 
 
 def non_fp8_gemms(hlo: str) -> list[str]:
     """Shapes and source op of each 16-bit GEMM custom call: which dots XLA kept out of FP8."""
     out = []
-    for ln in hlo.splitlines():
-        low = ln.lower()
-        if "custom-call" not in ln or not ("gemm" in low or "matmul" in low) or "f8" in low:
+    for ln in gemm_calls(hlo):
+        if "f8" in ln.lower():
             continue
         shapes = re.findall(r"\b(?:bf16|f16|f32)\[[0-9,]*\]", ln)
         op = re.search(r'op_name="([^"]*)"', ln)
@@ -120,13 +123,7 @@ def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32).astype(dtype) for i in (0, 1))
     dims = (((1,), (0,)), ((), ()))
     f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16))
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / fp8_gemm.median_seconds(f, (a, b), iters)
 
 
 def train_state(variables, opt_state) -> dict:
