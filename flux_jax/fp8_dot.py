@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from flux_jax.fp8_cast import CAST_KERNELS, amax_of, cast, fp8_max, quantize
+from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize
 
 FP8_COLLECTION = "fp8_meta"
 OPERANDS = ("input", "kernel", "output_grad")
@@ -44,9 +44,6 @@ class Fp8Spec:
     margin: float = 0.0
     wgrad: bool = True
     cast_kernel: str = "xla"  # one of fp8_cast.CAST_KERNELS
-
-
-__all__ = ["CAST_KERNELS", "amax_of", "fp8_max", "quantize"]
 
 
 def scale_from_amax(amax, old_scale, dtype, margin):

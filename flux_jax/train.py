@@ -336,8 +336,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Train loop ---------------------------------------------------------------------------
     first = int(state["step"])
-    result = {"train_loss": None, "val_loss": None, "nonfinite_skipped": 0, "fp8": use_fp8}
-    result["preempted"] = False
+    result = {
+        "train_loss": None,
+        "val_loss": None,
+        "nonfinite_skipped": 0,
+        "fp8": use_fp8,
+        "preempted": False,
+    }
     consecutive, skipped, window = 0, 0, []
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     t_last, step_last = time.perf_counter(), first
