@@ -126,6 +126,28 @@ def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / fp8_gemm.median_seconds(f, (a, b), iters)
 
 
+def memory_breakdown(compiled) -> dict:
+    """XLA's compiled memory: total = arguments + outputs - aliased (donated) + temporaries, GiB.
+
+    Arguments are the train state (float32 params, AdamW moments, fp8_meta) and the batch; temp
+    holds the gradients and everything saved for the backward pass: the part FP8 can shrink.
+    """
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {"compiled_memory_bytes": None}
+    parts = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": getattr(mem, "alias_size_in_bytes", 0),
+        "temp": mem.temp_size_in_bytes,
+    }
+    total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temp"]
+    return {
+        "compiled_memory_bytes": int(total),
+        "memory_gib": {k: round(v / 2**30, 3) for k, v in parts.items()},
+    }
+
+
 def train_state(variables, opt_state) -> dict:
     """The state dict train.make_train_step takes, from init variables and optimizer state."""
     return {
@@ -154,7 +176,6 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract, batch).compile()
-    mem = compiled.memory_analysis()
     n_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     return {
         "shape": shape,
@@ -165,9 +186,7 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
         "scan_blocks": net.scan_blocks,
         "params": n_params,
         "compile_s": time.perf_counter() - t0,
-        "compiled_memory_bytes": None
-        if mem is None
-        else int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes),
+        **memory_breakdown(compiled),
         **count_gemms(compiled.as_text()),
     }
 
@@ -207,11 +226,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{shape}_{recipe}")
         with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
             f.write(hlo)
-    mem = compiled.memory_analysis()
-    peak_bytes = None
-    if mem is not None:
-        peak_bytes = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
-        peak_bytes -= int(getattr(mem, "alias_size_in_bytes", 0))
+    memory = memory_breakdown(compiled)
     for _ in range(args.warmup):
         state, m = compiled(state, batch_dev)
     jax.block_until_ready(state)
@@ -250,7 +265,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         "mfu": (tflops * 1e12 / peak) if peak else None,
         "mfu_peak_tflops": peak / 1e12 if peak else None,
         "compile_s": compile_s,
-        "compiled_memory_bytes": peak_bytes,
+        **memory,
         "loss": float(m["loss"]),
         "finite": bool(m["finite"]),
         "device": kind,
@@ -310,6 +325,7 @@ def main(argv=None) -> int:
             r["speedup_vs_bf16"] = base["ms_per_step"] / r["ms_per_step"]
             if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
                 r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
+                r["temp_memory_vs_bf16"] = r["memory_gib"]["temp"] / base["memory_gib"]["temp"]
     print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
     for r in results:
         mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
@@ -318,6 +334,8 @@ def main(argv=None) -> int:
             f"{mfu:>5} {r.get('speedup_vs_bf16', 1):6.2f} {r.get('memory_vs_bf16', 1):5.2f} "
             f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}"
         )
+    for r in results:
+        print(f"{r['recipe']}: memory GiB {json.dumps(r.get('memory_gib'))}")
     for r in results:
         if "profile" in r:
             prof = r["profile"]
