@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import trace_summary
+from benchmarks import fp8_gemm, trace_summary
 from configs import flux_535m
 from flux_jax import doctor, fp8, metrics, optim, sharding, train
 
@@ -117,9 +117,9 @@ def non_fp8_gemms(hlo: str) -> list[str]:
     return out
 
 
-def measured_peak(fp8_gemm: bool, n: int = 8192, iters: int = 10) -> float:
+def measured_peak(fp8_operands: bool, n: int = 8192, iters: int = 10) -> float:
     """FLOP/s of one n^3 GEMM on random data (bf16, or e4m3 x e4m3 into bf16), median of iters."""
-    dtype = jnp.float8_e4m3fn if fp8_gemm else jnp.bfloat16
+    dtype = jnp.float8_e4m3fn if fp8_operands else jnp.bfloat16
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32).astype(dtype) for i in (0, 1))
     dims = (((1,), (0,)), ((), ()))
     f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16))
