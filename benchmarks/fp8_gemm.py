@@ -33,9 +33,13 @@ def _bf16_fwd_bwd(x, w, _meta, g):
 
 
 def _fp8_fwd_bwd(module):
+    """Forward, backward and the delayed-scaling state update, as one train step runs them."""
+
     def run(x, w, meta, g):
         y, vjp = jax.vjp(lambda a, b, m: module.apply(m, a, b, DIMS), x, w, meta)
-        return y, vjp(g)
+        dx, dw, observed = vjp(g)
+        state = fp8.update_states(meta[fp8.FP8_COLLECTION], observed[fp8.FP8_COLLECTION], module.spec)
+        return y, dx, dw, state
 
     return run
 
@@ -90,13 +94,15 @@ def main() -> None:
     parser.add_argument("--recipes", default="delayed,tensorwise")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--m", default=",".join(map(str, FLUX_M)), help="comma-separated M values")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     recipes = args.recipes.split(",")
     if args.smoke:
         shapes, iters, warmup = [(32, 64, 48)], 2, 1
     else:
-        shapes, iters, warmup = [(m, k, n) for m in FLUX_M for k, n in FLUX_KN], args.iters, args.warmup
+        shapes = [(int(m), k, n) for m in args.m.split(",") for k, n in FLUX_KN]
+        iters, warmup = args.iters, args.warmup
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "doctor": doctor.report(),
