@@ -127,7 +127,8 @@ def measured_peak(fp8_operands: bool, n: int = 8192, iters: int = 10) -> float:
 
 
 def memory_breakdown(compiled) -> dict:
-    """XLA's compiled memory: total = arguments + outputs - aliased (donated) + temporaries, GiB.
+    """XLA's compiled memory: bytes of arguments + outputs - aliased (donated) + temporaries, and
+    each part in GiB.
 
     Arguments are the train state (float32 params, AdamW moments, fp8_meta) and the batch; temp
     holds the gradients and everything saved for the backward pass: the part FP8 can shrink.

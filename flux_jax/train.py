@@ -400,10 +400,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 result["train_loss"] = values["loss"]
                 window, t_last, step_last = [], time.perf_counter(), done
             bar.update(1)
-            ckpt.save(done, state, train_iter.get_state(), force=done == config.train_iters)
-            if guard.preempted():
-                # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
-                ckpt.save(done, state, train_iter.get_state(), force=True)
+            # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
+            preempted = guard.preempted()
+            ckpt.save(done, state, train_iter.get_state(), force=preempted or done == config.train_iters)
+            if preempted:
                 log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
                 result["preempted"] = True
                 break
