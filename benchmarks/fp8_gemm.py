@@ -61,7 +61,7 @@ def time_case(fn, args, iters, warmup):
     return median_seconds(jitted, args, iters, warmup), doctor.count_fp8_gemms(text)
 
 
-def run(shapes, recipes, iters, warmup, on_row=lambda rows: None):
+def run(shapes, recipes, iters, warmup, on_row=lambda rows: None, cast_kernel="xla"):
     desc = fp8.describe_device()
     fwd, bwd = fp8.fp8_dtypes("hybrid", fp8.format_family(desc))
     rows = []
@@ -75,7 +75,8 @@ def run(shapes, recipes, iters, warmup, on_row=lambda rows: None):
         t_bf16, _ = time_case(_bf16_fwd_bwd, (x, w, None, g), iters, warmup)
         row = {"M": m, "K": k, "N": n, "bf16_ms": t_bf16 * 1e3, "bf16_tflops": flops / t_bf16 / 1e12}
         for recipe in recipes:
-            module = Fp8DotGeneral(spec=Fp8Spec(fwd_dtype=fwd, bwd_dtype=bwd, recipe=recipe))
+            spec = Fp8Spec(fwd_dtype=fwd, bwd_dtype=bwd, recipe=recipe, cast_kernel=cast_kernel)
+            module = Fp8DotGeneral(spec=spec)
             meta = module.init(jax.random.PRNGKey(1), x, w, DIMS)
             t, n_fp8 = time_case(_fp8_fwd_bwd(module), (x, w, meta, g), iters, warmup)
             row[f"{recipe}_ms"] = t * 1e3
@@ -94,8 +95,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--m", default=",".join(map(str, FLUX_M)), help="comma-separated M values")
+    parser.add_argument(
+        "--cast-kernel", default="auto", help="xla | triton | auto (Triton on one NVIDIA GPU, as configs)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    cast_kernel = fp8.resolve_cast_kernel(args.cast_kernel)
     recipes = args.recipes.split(",")
     if args.smoke:
         shapes, iters, warmup = [(32, 64, 48)], 2, 1
@@ -106,6 +111,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "doctor": doctor.report(),
         "recipes": recipes,
+        "cast_kernel": cast_kernel,
         "iters": iters,
     }
     os.makedirs(args.out, exist_ok=True)
@@ -116,7 +122,7 @@ def main() -> None:
         with open(os.path.join(args.out, "fp8_gemm.json"), "w") as f:
             json.dump({**result, "rows": rows}, f, indent=1)
 
-    write(run(shapes, recipes, iters, warmup, write))
+    write(run(shapes, recipes, iters, warmup, write, cast_kernel))
 
 
 if __name__ == "__main__":
