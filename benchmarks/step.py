@@ -101,8 +101,12 @@ def gemm_calls(hlo: str) -> list[str]:
 
 
 def count_gemms(hlo: str) -> dict[str, int]:
-    """All GEMM custom calls, and the FP8 GEMMs (``doctor.count_fp8_gemms``)."""
-    return {"gemm_custom_calls": len(gemm_calls(hlo)), "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo)}
+    """All GEMMs (library custom calls plus XLA's Triton GEMM fusions, which the autotuner may pick
+    for FP8 dots too), and the FP8 GEMMs among them (``doctor.count_fp8_gemms``)."""
+    return {
+        "gemm_custom_calls": len(gemm_calls(hlo)) + doctor.count_triton_gemms(hlo),
+        "fp8_gemm_custom_calls": doctor.count_fp8_gemms(hlo),
+    }
 
 
 def non_fp8_gemms(hlo: str) -> list[str]:

@@ -27,20 +27,26 @@ def count_fp8_gemms(hlo_text: str) -> int:
     return custom + count_fp8_triton_gemms(hlo_text)
 
 
-def count_fp8_triton_gemms(hlo_text: str) -> int:
-    """Call sites of Triton GEMM fusions whose computation takes f8 operands."""
-    f8_computations = set()
+def count_triton_gemms(hlo_text: str, fp8_only: bool = False) -> int:
+    """Call sites of XLA's Triton GEMM fusions (``gemm_fusion``); with ``fp8_only``, only those
+    whose computation takes f8 operands."""
+    computations = set()
     for line in hlo_text.splitlines():
         head = re.match(r"%(\S*gemm_fusion\S*) \((.*)\) -> ", line)
-        if head and re.search(r": f8e\w+\[", head.group(2)):
-            f8_computations.add(head.group(1))
+        if head and (not fp8_only or re.search(r": f8e\w+\[", head.group(2))):
+            computations.add(head.group(1))
     return sum(
         1
         for line in hlo_text.splitlines()
         if "kind=kCustom" in line
         and (m := re.search(r"calls=%([^,\s]+)", line))
-        and m.group(1) in f8_computations
+        and m.group(1) in computations
     )
+
+
+def count_fp8_triton_gemms(hlo_text: str) -> int:
+    """Call sites of Triton GEMM fusions whose computation takes f8 operands."""
+    return count_triton_gemms(hlo_text, fp8_only=True)
 
 
 def count_fp8_dots(hlo_text: str) -> int:

@@ -37,6 +37,7 @@ def test_count_fp8_gemms_includes_fp8_dots_in_xla_triton_gemm_fusions():
     )
     assert doctor.count_fp8_triton_gemms(hlo) == 2
     assert doctor.count_fp8_gemms(hlo) == 2
+    assert doctor.count_triton_gemms(hlo) == 3
 
 
 def test_report_on_this_machine():
