@@ -5,8 +5,8 @@ opt_state, fp8_meta, rng), "data" (the data iterator state, JSON) and "config" (
 config, JSON, so a checkpoint explains itself). Orbax writes a step into a temporary directory
 and renames it when complete, so a run killed mid-save leaves the previous checkpoint as latest.
 
-Also here: `load_init_from` (config.init_from: BFL/diffusers weights or another run's params),
-`PreemptionGuard` (SIGTERM/SIGINT -> save and exit) and the `export` command
+Also here: `load_init_from` (config.init_from: BFL/diffusers weights or another run's params) and
+the `export` command
 (`python -m flux_jax.checkpoint export --workdir W --output out.safetensors`).
 """
 
@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -211,58 +208,6 @@ def _unreadable(step_dir, steps, err) -> ValueError:
     older = [s for s in steps if s < int(step_dir.name)]
     fix = f"delete {step_dir} to resume from step {older[-1]}" if older else f"delete {step_dir}"
     return ValueError(f"Checkpoint {step_dir} is unreadable (truncated or corrupt: {err}). Fix: {fix}.")
-
-
-class PreemptionGuard:
-    """Context manager: SIGTERM/SIGINT set `requested` so the loop can save and exit cleanly.
-
-    A second SIGINT falls through to the previous handler (Ctrl-C twice still interrupts).
-    The previous handlers are restored on exit.
-    """
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, callback: Callable[[int], None] | None = None):
-        self.requested = False
-        self._callback = callback
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            old = self._old.get(signum)
-            if callable(old):
-                old(signum, frame)
-                return
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("Received signal %d: saving a checkpoint and stopping after this step.", signum)
-        if self._callback is not None:
-            self._callback(signum)
-
-    def preempted(self) -> bool:
-        """True on every process once any process got a signal (all hosts must save together)."""
-        if jax.process_count() == 1:
-            return self.requested
-        from jax.experimental import multihost_utils
-
-        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
-
-    def __enter__(self) -> PreemptionGuard:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signal handlers can only be installed from the main thread
-        for sig in self._SIGNALS:
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-
-def install_preemption_handler(callback: Callable[[int], None] | None = None) -> PreemptionGuard:
-    """`with install_preemption_handler() as guard: ... if guard.preempted(): save(force=True)`."""
-    return PreemptionGuard(callback)
 
 
 def _find_step_dir(path: epath.Path) -> epath.Path | None:

@@ -22,7 +22,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from flux_jax import checkpoint, flow, fp8, metrics, model, optim, sharding
+from flux_jax import checkpoint, flow, fp8, metrics, model, optim, preemption, sharding
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     consecutive, skipped, window = 0, 0, []
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     t_last, step_last = time.perf_counter(), first
-    guard = checkpoint.install_preemption_handler()
+    guard = preemption.install_handler()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)

@@ -202,17 +202,6 @@ def test_restore_of_missing_step_lists_available(tmp_path):
         ckpt.restore(7, abstract_of(make_state(), REPLICATED))
 
 
-def test_preemption_guard_sets_flag_and_restores_handlers():
-    before = signal.getsignal(signal.SIGTERM)
-    seen = []
-    with checkpoint.install_preemption_handler(seen.append) as guard:
-        assert not guard.preempted()
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert guard.requested and guard.preempted()
-    assert seen == [signal.SIGTERM]
-    assert signal.getsignal(signal.SIGTERM) is before
-
-
 def test_load_init_from_checkpoint_dir_params_only(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path, make_config())
     state = make_state()
