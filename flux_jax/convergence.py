@@ -20,7 +20,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from flux_jax import fp8, train
+from flux_jax import config_check, fp8, train
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
     """Trains every recipe into workdir/<recipe> and writes convergence.{png,md,json}; returns the summary."""
     configs = {r: variant_config(config, r) for r in recipes}
     for c in configs.values():  # fail on a bad variant before any training
-        train.validate_config(c)
+        config_check.validate(c)
     results, runs = {}, {}
     for recipe, c in configs.items():
         sub = os.path.join(workdir, recipe.replace(":", "_"))

@@ -22,85 +22,14 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from flux_jax import checkpoint, flow, fp8, metrics, model, optim, preemption, sharding
+from flux_jax import checkpoint, config_check, flow, fp8, metrics, model, optim, preemption, sharding
 
 log = logging.getLogger(__name__)
 
-_CHOICES = {
-    "model.dtype": ("bfloat16", "float32"),
-    "model.attention": ("xla", "cudnn"),
-    "recompute_granularity": (None, "selective", "full"),
-    "fp8": (None, "e4m3", "hybrid"),
-    "lr_decay_style": optim.DECAY_STYLES,
-    "timestep_sampling": flow.TIMESTEP_METHODS,
-    "on_nonfinite": ("stop", "bf16"),
-    "data.source": ("toy", "shards", "mock"),
-}
 _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
     "fp8_wgrad=False, first_last_layers_bf16=True, a lower lr or on_nonfinite='bf16'"
 )
-
-
-def _get(config, dotted: str):
-    for part in dotted.split("."):
-        config = config[part]
-    return config
-
-
-def validate_config(config, num_devices: int | None = None, process_count: int = 1) -> None:
-    """Raises one ValueError listing every invalid field, before anything is compiled."""
-    bad = []
-    for field, choices in _CHOICES.items():
-        if _get(config, field) not in choices:
-            bad.append(f"{field}={_get(config, field)!r} must be one of {choices}")
-    if config.model.preset not in model.PRESETS:
-        bad.append(f"model.preset={config.model.preset!r} must be one of {sorted(model.PRESETS)}")
-    positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "max_nonfinite_steps")
-    for field in positive:
-        if int(_get(config, field)) < 1:
-            bad.append(f"{field}={_get(config, field)} must be >= 1")
-    for field in ("lr_warmup_iters", "save_interval", "eval_interval", "weight_decay", "clip_grad", "min_lr"):
-        if _get(config, field) < 0:
-            bad.append(f"{field}={_get(config, field)} must be >= 0")
-    if config.lr <= 0 or config.min_lr > config.lr:
-        bad.append(f"lr={config.lr}, min_lr={config.min_lr}: need 0 < lr and min_lr <= lr")
-    for field in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= _get(config, field) < 1.0:
-            bad.append(f"{field}={_get(config, field)} must be in [0, 1)")
-    if config.adam_eps <= 0 or config.logit_std <= 0 or config.timestep_shift <= 0:
-        bad.append("adam_eps, logit_std and timestep_shift must be > 0")
-    if config.eval_interval > 0 and config.eval_iters < 1:
-        bad.append(f"eval_iters={config.eval_iters} must be >= 1 when eval_interval > 0")
-    if config.data.image_size % 16:
-        bad.append(f"data.image_size={config.data.image_size} must be a multiple of 16")
-    if not 0.0 <= config.data.cfg_dropout_prob <= 1.0:
-        bad.append(f"data.cfg_dropout_prob={config.data.cfg_dropout_prob} must be in [0, 1]")
-    if config.fp8 is not None and int(config.fp8_amax_history_len) < 1:
-        bad.append(f"fp8_amax_history_len={config.fp8_amax_history_len} must be >= 1 (e.g. 1024)")
-    if config.fp8 is not None and config.fp8_recipe not in fp8.RECIPES:
-        bad.append(f"fp8_recipe={config.fp8_recipe!r} must be one of {fp8.RECIPES}")
-    if num_devices is not None:
-        dp = data_parallel_size(config, num_devices)
-        if (
-            config.global_batch_size % (config.micro_batch_size * dp)
-            or config.global_batch_size % process_count
-        ):
-            bad.append(
-                f"global_batch_size={config.global_batch_size} must be divisible by micro_batch_size "
-                f"({config.micro_batch_size}) x data-parallel size ({dp}) and by the {process_count} hosts"
-            )
-    if bad:
-        raise ValueError("Invalid config: " + "; ".join(bad) + ".")
-    fp8.validate_config(config)
-
-
-def data_parallel_size(config, num_devices: int) -> int:
-    """mesh.data x mesh.fsdp with -1 resolved against the device count."""
-    sizes = [int(config.mesh[a]) for a in sharding.MESH_AXES]
-    known = int(np.prod([s for s in sizes if s != -1]))
-    sizes = [num_devices // max(known, 1) if s == -1 else s for s in sizes]
-    return sizes[0] * sizes[1]
 
 
 def flux_params(config) -> model.FluxParams:
@@ -243,7 +172,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     Returns the final metrics: last train loss, last validation loss, steps run, skipped steps.
     """
     # ---- Config -------------------------------------------------------------------------------
-    validate_config(config, jax.device_count(), jax.process_count())
+    config_check.validate(config, jax.device_count(), jax.process_count())
     fp = flux_params(config)
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)

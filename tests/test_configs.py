@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from flux_jax import train
+from flux_jax import config_check, train
 
 CONFIGS = ("toy", "flux_535m", "flux_12b")
 
@@ -12,7 +12,7 @@ CONFIGS = ("toy", "flux_535m", "flux_12b")
 @pytest.mark.parametrize("arg", [None, "fp8"])
 def test_config_is_valid(name, arg):
     config = importlib.import_module(f"configs.{name}").get_config(arg)
-    train.validate_config(config)
+    config_check.validate(config)
     assert (config.fp8 is not None) == (arg == "fp8")
     fp = train.flux_params(config)
     assert fp.hidden_size % fp.num_heads == 0

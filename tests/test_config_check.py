@@ -1,0 +1,38 @@
+import pytest
+
+from configs import toy as toy_config
+from flux_jax import config_check
+
+
+def test_toy_config_is_valid_on_its_devices():
+    config_check.validate(toy_config.get_config(), num_devices=1)
+
+
+def test_every_invalid_field_is_named_in_one_error():
+    c = toy_config.get_config()
+    c.model.attention = "flash"
+    c.data.image_size = 250
+    c.lr_warmup_iters = -1
+    with pytest.raises(ValueError) as err:
+        config_check.validate(c)
+    message = str(err.value)
+    assert message.startswith("Invalid config: ")
+    for expected in ("model.attention='flash'", "data.image_size=250", "lr_warmup_iters=-1"):
+        assert expected in message
+
+
+def test_data_parallel_size_resolves_minus_one_against_the_devices():
+    c = toy_config.get_config()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 2, 2
+    assert config_check.data_parallel_size(c, 16) == 8  # data = 16 / (2 x 2) = 4, times fsdp 2
+    c.mesh.data, c.mesh.fsdp = 2, -1
+    assert config_check.data_parallel_size(c, 16) == 8
+
+
+def test_batch_not_divisible_by_data_parallel_size_names_both():
+    c = toy_config.get_config()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
+    c.micro_batch_size, c.global_batch_size = 2, 6
+    expected = r"global_batch_size=6 .* micro_batch_size \(2\) x data-parallel size \(4\)"
+    with pytest.raises(ValueError, match=expected):
+        config_check.validate(c, num_devices=4)
