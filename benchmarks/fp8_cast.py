@@ -14,7 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks import fp8_gemm
+from benchmarks.timing import median_seconds
 from flux_jax import fp8_cast
 
 SHAPES = [(6144, 3072), (6144, 15360), (4096, 12288), (2048, 3072), (3072, 21504), (12288, 3072)]
@@ -33,10 +33,10 @@ def main(argv=None) -> int:
         nbytes = x.size * (2 + 2)
         row = {"shape": shape}
         xla = jax.jit(lambda x: fp8_cast.cast_xla(x, dtype, scale, True))
-        row["xla_us"] = 1e6 * fp8_gemm.median_seconds(xla, (x,), args.iters)
+        row["xla_us"] = 1e6 * median_seconds(xla, (x,), args.iters)
         for bm, bk, warps in TILES:
             f = jax.jit(lambda x, t=(bm, bk, warps): fp8_cast.cast_triton(x, dtype, scale, True, *t))
-            row[f"triton_{bm}x{bk}w{warps}_us"] = 1e6 * fp8_gemm.median_seconds(f, (x,), args.iters)
+            row[f"triton_{bm}x{bk}w{warps}_us"] = 1e6 * median_seconds(f, (x,), args.iters)
         best = min((k for k in row if k.startswith("triton")), key=row.get)
         row["best"] = best
         row["best_gb_s"] = nbytes / row[best] / 1e3

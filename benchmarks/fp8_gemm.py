@@ -11,13 +11,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from benchmarks.timing import median_seconds
 from flux_jax import doctor, fp8
 from flux_jax.fp8_dot import Fp8DotGeneral, Fp8Spec
 
@@ -41,18 +40,6 @@ def _fp8_fwd_bwd(module):
         return y, vjp(g)
 
     return run
-
-
-def median_seconds(jitted, args, iters, warmup=1) -> float:
-    """Median wall time of ``jitted(*args)`` with device synchronisation, after ``warmup`` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(jitted(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def time_case(fn, args, iters, warmup):

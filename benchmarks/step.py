@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import fp8_gemm, trace_summary
+from benchmarks import trace_summary
+from benchmarks.timing import median_seconds
 from configs import flux_535m
 from flux_jax import doctor, fp8, metrics, optim, sharding, train
 
@@ -127,7 +128,7 @@ def measured_peak(fp8_operands: bool, n: int = 8192, iters: int = 10) -> float:
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32).astype(dtype) for i in (0, 1))
     dims = (((1,), (0,)), ((), ()))
     f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16))
-    return 2 * n**3 / fp8_gemm.median_seconds(f, (a, b), iters)
+    return 2 * n**3 / median_seconds(f, (a, b), iters)
 
 
 def memory_breakdown(compiled) -> dict:

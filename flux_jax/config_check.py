@@ -27,9 +27,20 @@ def _get(config, dotted: str):
     return config
 
 
-def validate(config, num_devices: int | None = None, process_count: int = 1) -> None:
-    """Raises one ValueError listing every invalid field, before anything is compiled."""
+def validate(
+    config, num_devices: int | None = None, process_count: int = 1, platform: str | None = None
+) -> None:
+    """Raises one ValueError listing every invalid field, before anything is compiled.
+
+    With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``platform``
+    (``fp8.describe_device().platform``: "cuda", "rocm", "cpu", ...) the platform-bound choices.
+    """
     bad = []
+    if platform is not None and config.model.attention == "cudnn" and platform != "cuda":
+        bad.append(
+            f"model.attention='cudnn' needs an NVIDIA GPU with cuDNN, and this platform is {platform!r}: "
+            "use --config.model.attention=xla"
+        )
     for field, choices in _CHOICES.items():
         if _get(config, field) not in choices:
             bad.append(f"{field}={_get(config, field)!r} must be one of {choices}")

@@ -172,7 +172,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     Returns the final metrics: last train loss, last validation loss, steps run, skipped steps.
     """
     # ---- Config -------------------------------------------------------------------------------
-    config_check.validate(config, jax.device_count(), jax.process_count())
+    config_check.validate(config, jax.device_count(), jax.process_count(), fp8.describe_device().platform)
     fp = flux_params(config)
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)

@@ -36,3 +36,12 @@ def test_batch_not_divisible_by_data_parallel_size_names_both():
     expected = r"global_batch_size=6 .* micro_batch_size \(2\) x data-parallel size \(4\)"
     with pytest.raises(ValueError, match=expected):
         config_check.validate(c, num_devices=4)
+
+
+def test_cudnn_attention_off_nvidia_names_the_field_and_the_fix():
+    c = toy_config.get_config()
+    c.model.attention = "cudnn"
+    config_check.validate(c, platform="cuda")
+    for platform in ("cpu", "rocm"):
+        with pytest.raises(ValueError, match=r"model\.attention='cudnn' .*--config\.model\.attention=xla"):
+            config_check.validate(c, platform=platform)
