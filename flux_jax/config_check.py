@@ -5,8 +5,6 @@ the value given and what is allowed; FP8 fields are checked against the platform
 ``fp8.validate_config``.
 """
 
-import numpy as np
-
 from flux_jax import flow, fp8, model, optim, sharding
 
 _CHOICES = {
@@ -71,10 +69,18 @@ def validate(
     if config.fp8 is not None and config.fp8_recipe not in fp8.RECIPES:
         bad.append(f"fp8_recipe={config.fp8_recipe!r} must be one of {fp8.RECIPES}")
     if num_devices is not None:
-        dp = data_parallel_size(config, num_devices)
+        try:
+            dp = data_parallel_size(config, num_devices)
+        except ValueError as err:
+            bad.append(str(err).rstrip("."))
+            dp = None
         if (
-            config.global_batch_size % (config.micro_batch_size * dp)
-            or config.global_batch_size % process_count
+            dp is not None
+            and config.micro_batch_size >= 1
+            and (
+                config.global_batch_size % (config.micro_batch_size * dp)
+                or config.global_batch_size % process_count
+            )
         ):
             bad.append(
                 f"global_batch_size={config.global_batch_size} must be divisible by micro_batch_size "
@@ -86,8 +92,8 @@ def validate(
 
 
 def data_parallel_size(config, num_devices: int) -> int:
-    """mesh.data x mesh.fsdp with -1 resolved against the device count."""
-    sizes = [int(config.mesh[a]) for a in sharding.MESH_AXES]
-    known = int(np.prod([s for s in sizes if s != -1]))
-    sizes = [num_devices // max(known, 1) if s == -1 else s for s in sizes]
-    return sizes[0] * sizes[1]
+    """mesh.data x mesh.fsdp with -1 resolved against the device count (ValueError naming config.mesh
+    when the sizes do not fit the devices)."""
+    sizes = {a: int(config.mesh[a]) for a in sharding.MESH_AXES}
+    data, fsdp, _ = sharding.resolve_mesh_shape(sizes, num_devices)
+    return data * fsdp

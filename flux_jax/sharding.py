@@ -46,7 +46,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
-def _resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
     """Fills the one -1 entry with the devices left over; checks the product."""
     unknown = [name for name in MESH_AXES if sizes[name] == -1]
     if len(unknown) > 1:
@@ -98,7 +98,7 @@ def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
-    shape = _resolve_mesh_shape(sizes, len(devices))
+    shape = resolve_mesh_shape(sizes, len(devices))
     num_hosts = len({d.process_index for d in devices})
     if num_hosts > 1:
         ici_shape, dcn_shape = _split_over_hosts(shape, num_hosts)

@@ -45,3 +45,27 @@ def test_cudnn_attention_off_nvidia_names_the_field_and_the_fix():
     for platform in ("cpu", "rocm"):
         with pytest.raises(ValueError, match=r"model\.attention='cudnn' .*--config\.model\.attention=xla"):
             config_check.validate(c, platform=platform)
+
+
+@pytest.mark.parametrize(
+    "mesh,expected",
+    [
+        ({"tensor": 3}, r"config\.mesh: the fixed sizes .* which does not divide the 4 devices"),
+        ({"fsdp": 0}, r"config\.mesh\.fsdp must be a positive size or -1, got 0"),
+        ({"fsdp": -1}, r"config\.mesh: at most one of data/fsdp/tensor may be -1"),
+    ],
+)
+def test_mesh_that_does_not_fit_the_devices_is_a_config_error(mesh, expected):
+    c = toy_config.get_config()
+    c.mesh.data = -1
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
+    with pytest.raises(ValueError, match=expected):
+        config_check.validate(c, num_devices=4)
+
+
+def test_zero_micro_batch_is_named_not_a_division_by_zero():
+    c = toy_config.get_config()
+    c.micro_batch_size = 0
+    with pytest.raises(ValueError, match=r"micro_batch_size=0 must be >= 1"):
+        config_check.validate(c, num_devices=1)
