@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention = "cudnn"  # "xla" | "cudnn" (jax.nn.dot_product_attention on GPU)
     c.recompute_granularity = "full"  # activation checkpointing: None | "selective" | "full"
 
-    c.fp8 = None  # None (BF16/FP32 GEMMs) | "e4m3" | "hybrid" (E4M3 fwd, E5M2 grads)
+    c.fp8 = ml_collections.config_dict.placeholder(str)  # None = BF16 | "e4m3" | "hybrid" (E5M2 grads)
     c.fp8_recipe = "delayed"  # "delayed" | "tensorwise" | "rowwise" | "blockwise" | "mxfp8"
     c.fp8_margin = 0  # scale = max / amax / 2**margin
     c.fp8_amax_history_len = 1  # delayed scaling amax history length

@@ -31,9 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype: "bfloat16" | "float32"
     c.model.scan_blocks = False  # nn.scan over equal blocks: faster compiles for deep models
     c.model.attention = "cudnn"  # "xla" | "cudnn" (jax.nn.dot_product_attention on GPU)
-    c.recompute_granularity = None  # activation checkpointing: None | "selective" | "full"
+    c.recompute_granularity = ml_collections.config_dict.placeholder(str)  # remat None | "selective" | "full"
 
-    c.fp8 = None  # None (BF16/FP32 GEMMs) | "e4m3" | "hybrid" (E4M3 fwd, E5M2 grads)
+    c.fp8 = ml_collections.config_dict.placeholder(str)  # None = BF16 | "e4m3" | "hybrid" (E5M2 grads)
     c.fp8_recipe = "delayed"  # "delayed" | "tensorwise" | "rowwise" | "blockwise" | "mxfp8"
     c.fp8_margin = 0  # scale = max / amax / 2**margin
     c.fp8_amax_history_len = 1024  # delayed scaling amax history length

@@ -1,5 +1,8 @@
 import importlib
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +64,16 @@ def test_recipes_follow_primus_and_mlperf():
         0.1,
     )
     assert big.fp8 == "hybrid"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_none_fields_can_be_set_from_the_command_line(name, tmp_path):
+    # fp8 / recompute_granularity default to None; the flag parser must still accept strings for them.
+    # fp8_recipe=fancy makes the run stop at the config check, so nothing is compiled.
+    cmd = [sys.executable, "-m", "flux_jax.train", f"--config=configs/{name}.py", f"--workdir={tmp_path}"]
+    cmd += ["--config.fp8=e4m3", "--config.recompute_granularity=full", "--config.fp8_recipe=fancy"]
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode != 0
+    assert "Flags parsing error" not in run.stderr
+    assert "fp8_recipe='fancy' must be one of" in run.stderr
