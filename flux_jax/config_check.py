@@ -19,6 +19,19 @@ _CHOICES = {
 }
 
 
+# Fields that default to None: their configs declare them placeholder(str) so that the command line
+# can set them, which also means `--config.fp8=None` arrives as the string "None".
+OPTIONAL_STR_FIELDS = ("fp8", "recompute_granularity")
+
+
+def none_from_command_line(config):
+    """Turns the string "None" (``--config.fp8=None``) back into None in the optional fields."""
+    for field in OPTIONAL_STR_FIELDS:
+        if isinstance(config.get(field), str) and config[field].lower() == "none":
+            config[field] = None
+    return config
+
+
 def _get(config, dotted: str):
     for part in dotted.split("."):
         config = config[part]

@@ -325,7 +325,7 @@ def main(argv) -> None:
     train.setup_logging(logging.getLogger("flux_jax"))
     f = flags.FLAGS
     recipes = [r.strip() for r in f.recipes.split(",") if r.strip()]
-    run(f.config, f.workdir, recipes, f.last_n, f.smooth, f.tolerance)
+    run(config_check.none_from_command_line(f.config), f.workdir, recipes, f.last_n, f.smooth, f.tolerance)
 
 
 if __name__ == "__main__":

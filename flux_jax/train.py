@@ -366,7 +366,7 @@ def main(argv) -> None:
     del argv
     # Progress goes to tqdm and this module's log.
     setup_logging(log)
-    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+    train_and_evaluate(config_check.none_from_command_line(flags.FLAGS.config), flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":

@@ -69,3 +69,12 @@ def test_zero_micro_batch_is_named_not_a_division_by_zero():
     c.micro_batch_size = 0
     with pytest.raises(ValueError, match=r"micro_batch_size=0 must be >= 1"):
         config_check.validate(c, num_devices=1)
+
+
+def test_none_string_from_the_command_line_means_none():
+    c = toy_config.get_config("fp8")
+    c.fp8, c.recompute_granularity = "None", "none"
+    config_check.none_from_command_line(c)
+    assert c.fp8 is None and c.recompute_granularity is None
+    c.fp8 = "hybrid"
+    assert config_check.none_from_command_line(c).fp8 == "hybrid"

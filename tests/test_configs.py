@@ -77,3 +77,13 @@ def test_none_fields_can_be_set_from_the_command_line(name, tmp_path):
     assert run.returncode != 0
     assert "Flags parsing error" not in run.stderr
     assert "fp8_recipe='fancy' must be one of" in run.stderr
+
+
+def test_fp8_none_on_the_command_line_turns_fp8_off(tmp_path):
+    # train_iters=0 stops the run at the config check; fp8='None' (a string) must not be reported.
+    cmd = [sys.executable, "-m", "flux_jax.train", "--config=configs/toy.py:fp8", f"--workdir={tmp_path}"]
+    cmd += ["--config.fp8=None", "--config.fp8_recipe=fancy", "--config.train_iters=0"]
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert "Invalid config: train_iters=0 must be >= 1." in run.stderr
+    assert "fp8" not in run.stderr.split("Invalid config:")[1]
