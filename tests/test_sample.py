@@ -213,3 +213,8 @@ def test_cli_decodes_stored_encodings_with_autoencoder(tmp_path, tiny_dev):
     # Two decoder levels upsample the 8x8 latent once.
     assert np.asarray(Image.open(tmp_path / "out" / "000.png")).shape == (16, 16, 3)
     assert (tmp_path / "out" / "prompts.txt").read_text().splitlines() == ["000\tval[0]", "001\tval[1]"]
+
+
+def test_cli_without_checkpoints_says_to_train_first(tmp_path):
+    with pytest.raises(ValueError, match=r"has no checkpoints .* train there first"):
+        sample.main(["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--out", str(tmp_path)])
