@@ -19,7 +19,9 @@ import jax
 CATEGORIES = (
     # Attention first: cuDNN's flash kernels are named "..._sdpa_sm90_flash_..._wgmma_...".
     ("attention", re.compile(r"(cudnn|fmha|flash|sdpa|attention)", re.I)),
-    ("fp8_gemm", re.compile(r"(e4m3|e5m2|f8f6f4|fp8|_f8_|qgmma|_qqtst|_qrtst|_rqtst)", re.I)),
+    # cuBLASLt's nvjet names start with the operand types: q = e4m3, r = e5m2 (then C/D types, e.g.
+    # "nvjet_sm90_qqtst_...", "nvjet_sm90_rqsss_..."; BF16 ones start "nvjet_sm90_tst_...").
+    ("fp8_gemm", re.compile(r"(e4m3|e5m2|f8f6f4|fp8|_f8_|qgmma|nvjet_sm\d+_[qr]{2})", re.I)),
     ("gemm", re.compile(r"(gemm|xmma|nvjet|cutlass|wgmma|sm90_)", re.I)),
     ("transpose", re.compile(r"transpose", re.I)),
     ("reduce", re.compile(r"reduce", re.I)),

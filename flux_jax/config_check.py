@@ -19,9 +19,9 @@ _CHOICES = {
 }
 
 
-# Fields that default to None: their configs declare them placeholder(str) so that the command line
+# Fields that may be None: their configs declare them placeholder(str) so that the command line
 # can set them, which also means `--config.fp8=None` arrives as the string "None".
-OPTIONAL_STR_FIELDS = ("fp8", "recompute_granularity")
+OPTIONAL_STR_FIELDS = tuple(field for field, choices in _CHOICES.items() if None in choices)
 
 
 def none_from_command_line(config):
@@ -107,6 +107,5 @@ def validate(
 def data_parallel_size(config, num_devices: int) -> int:
     """mesh.data x mesh.fsdp with -1 resolved against the device count (ValueError naming config.mesh
     when the sizes do not fit the devices)."""
-    sizes = {a: int(config.mesh[a]) for a in sharding.MESH_AXES}
-    data, fsdp, _ = sharding.resolve_mesh_shape(sizes, num_devices)
+    data, fsdp, _ = sharding.mesh_shape(config, num_devices)
     return data * fsdp

@@ -206,15 +206,15 @@ def main(argv=None) -> None:
 
     config = load_config(args.config)
     ckpt = checkpoint.Checkpointer(args.workdir, config)
-    step = args.step if args.step is not None else ckpt.latest_step()
-    if not ckpt.all_steps():
+    saved_steps = ckpt.all_steps()
+    if not saved_steps:
         raise ValueError(
             f"--workdir {args.workdir} has no checkpoints (looked in {ckpt.directory}): train there first "
             f"(python -m flux_jax.train --config {args.config} --workdir {args.workdir}) or point --workdir "
             "at a run directory."
         )
-    if step not in ckpt.all_steps():
-        saved_steps = ckpt.all_steps()
+    step = args.step if args.step is not None else max(saved_steps)
+    if step not in saved_steps:
         raise ValueError(f"--step {step}: no such checkpoint in {ckpt.directory}; saved steps: {saved_steps}")
     step_dir = ckpt.directory / str(step)
     saved = _saved_config(step_dir)

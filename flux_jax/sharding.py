@@ -92,13 +92,17 @@ def _split_over_hosts(shape: tuple[int, int, int], num_hosts: int) -> tuple[tupl
     return (data // dcn_data, fsdp // dcn_fsdp, tensor), (dcn_data, dcn_fsdp, 1)
 
 
+def mesh_shape(config: Any, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) from ``config.mesh`` with -1 resolved; ValueError naming config.mesh."""
+    return resolve_mesh_shape({name: int(config.mesh[name]) for name in MESH_AXES}, num_devices)
+
+
 def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Builds the ("data", "fsdp", "tensor") mesh from ``config.mesh``; -1 takes the rest."""
-    sizes = {name: int(config.mesh[name]) for name in MESH_AXES}
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
-    shape = resolve_mesh_shape(sizes, len(devices))
+    shape = mesh_shape(config, len(devices))
     num_hosts = len({d.process_index for d in devices})
     if num_hosts > 1:
         ici_shape, dcn_shape = _split_over_hosts(shape, num_hosts)

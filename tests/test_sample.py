@@ -218,3 +218,17 @@ def test_cli_decodes_stored_encodings_with_autoencoder(tmp_path, tiny_dev):
 def test_cli_without_checkpoints_says_to_train_first(tmp_path):
     with pytest.raises(ValueError, match=r"has no checkpoints .* train there first"):
         sample.main(["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--out", str(tmp_path)])
+
+
+def test_cli_with_a_missing_step_lists_the_saved_ones(tmp_path):
+    from flux_jax import checkpoint
+
+    config = sample.load_config("configs/toy.py")
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "w"), config)
+    ckpt.save(3, {"step": np.int32(3), "params": {"w": np.zeros(2, np.float32)}}, force=True)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    args = ["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--out", str(tmp_path)]
+    args += ["--step", "7"]
+    with pytest.raises(ValueError, match=r"--step 7: no such checkpoint .*saved steps: \[3\]"):
+        sample.main(args)
