@@ -66,14 +66,24 @@ def test_recipes_follow_primus_and_mlperf():
     assert big.fp8 == "hybrid"
 
 
+def _train_cli(config: str, workdir, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m flux_jax.train` on CPU; each test's overrides make it stop at the config check."""
+    cmd = [sys.executable, "-m", "flux_jax.train", f"--config={config}", f"--workdir={workdir}", *overrides]
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_none_fields_can_be_set_from_the_command_line(name, tmp_path):
     # fp8 / recompute_granularity default to None; the flag parser must still accept strings for them.
     # fp8_recipe=fancy makes the run stop at the config check, so nothing is compiled.
-    cmd = [sys.executable, "-m", "flux_jax.train", f"--config=configs/{name}.py", f"--workdir={tmp_path}"]
-    cmd += ["--config.fp8=e4m3", "--config.recompute_granularity=full", "--config.fp8_recipe=fancy"]
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    run = _train_cli(
+        f"configs/{name}.py",
+        tmp_path,
+        "--config.fp8=e4m3",
+        "--config.recompute_granularity=full",
+        "--config.fp8_recipe=fancy",
+    )
     assert run.returncode != 0
     assert "Flags parsing error" not in run.stderr
     assert "fp8_recipe='fancy' must be one of" in run.stderr
@@ -81,9 +91,7 @@ def test_none_fields_can_be_set_from_the_command_line(name, tmp_path):
 
 def test_fp8_none_on_the_command_line_turns_fp8_off(tmp_path):
     # train_iters=0 stops the run at the config check; fp8='None' (a string) must not be reported.
-    cmd = [sys.executable, "-m", "flux_jax.train", "--config=configs/toy.py:fp8", f"--workdir={tmp_path}"]
-    cmd += ["--config.fp8=None", "--config.fp8_recipe=fancy", "--config.train_iters=0"]
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    overrides = ("--config.fp8=None", "--config.fp8_recipe=fancy", "--config.train_iters=0")
+    run = _train_cli("configs/toy.py:fp8", tmp_path, *overrides)
     assert "Invalid config: train_iters=0 must be >= 1." in run.stderr
     assert "fp8" not in run.stderr.split("Invalid config:")[1]
