@@ -281,6 +281,12 @@ def run_one(shape: str, recipe: str, args) -> dict:
     }
 
 
+def save(results: list[dict], path: str) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="block", choices=sorted(SHAPES))
@@ -305,6 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--no-measure-peak", action="store_true", help="MFU against the datasheet peak")
     args = p.parse_args(argv)
+    if args.attention == "cudnn" and jax.default_backend() != "gpu":
+        backend = jax.default_backend()
+        p.error(f"--attention cudnn needs an NVIDIA GPU; this backend is {backend!r}: use --attention xla")
     args.peaks = {}
     if jax.default_backend() == "gpu" and not args.no_measure_peak:
         args.peaks = {False: measured_peak(False), True: measured_peak(True)}
@@ -317,6 +326,7 @@ def main(argv=None) -> int:
         r = run_one(args.shape, recipe, args)
         results.append(r)
         print(json.dumps(r), flush=True)
+    save(results, args.out)
     if args.compile_only:
         for r in results:
             mem = (r["compiled_memory_bytes"] or 0) / 2**30
@@ -355,9 +365,7 @@ def main(argv=None) -> int:
     for r in results:
         for line in r["non_fp8_gemms"]:
             print(f"{r['recipe']}: 16-bit GEMM {line}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    save(results, args.out)
     return 0
 
 
