@@ -13,11 +13,17 @@ Shapes:
   block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
   mlperf width 3072, --depth/--single blocks of the 12B model, 256x256 (256 image tokens), 256 text tokens
   535m   flux-535m (1 + 1 blocks), 256x256, 256 text tokens, Primus micro batch 2 (BF16) / 4 (FP8)
+  tiny   the "tiny" preset (a few thousand parameters), 4 image + 4 text tokens: tests the bench
 
 Model TFLOP/s uses flux_jax.metrics.train_flops_per_sample (6 * dense params touched per token *
-tokens + attention); MFU is against the GEMM rate measured in the same process (8192^3 on random
-data, bf16 for the BF16 step, e4m3 for FP8 steps); off GPU or with --no-measure-peak, against the
+tokens + attention); MFU is against the GEMM rate measured after the steps (8192^3 on random data,
+bf16 for the BF16 step, e4m3 for FP8 steps); off GPU or with --no-measure-peak, against the
 datasheet peak.
+
+Memory is reported twice: XLA's compiled estimate of the step (arguments + outputs - donated + temp)
+and the allocator's peak (``peak_bytes_in_use``, GPU only). The allocator cannot reset its peak, so
+by default each variant runs in a fresh child process (``--no-isolate``: one process, where the
+peak of later variants includes the earlier ones and is not compared).
 """
 
 import argparse
@@ -25,7 +31,9 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -37,11 +45,13 @@ from benchmarks.timing import median_seconds
 from configs import flux_535m
 from flux_jax import doctor, fp8, metrics, optim, sharding, train
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {
     # name: (double, single, batch, image tokens per side, text tokens)
     "block": (2, 4, 4, 32, 512),
     "mlperf": (2, 4, 16, 16, 256),
     "535m": (1, 1, 2, 16, 256),
+    "tiny": (1, 1, 2, 2, 4),  # the tests' "tiny" preset: checks the benchmark itself, on a CPU
 }
 
 
@@ -66,6 +76,8 @@ def bench_config(shape: str, variant: str, args) -> tuple:
         batch = 4
     batch = args.batch or batch
     c = flux_535m.get_config()
+    if shape == "tiny":
+        c.model.preset = "tiny"
     c.model.depth, c.model.depth_single_blocks = depth, single
     c.model.attention = args.attention
     c.model.scan_blocks = args.scan
@@ -253,9 +265,6 @@ def run_one(shape: str, recipe: str, args) -> dict:
         prof = trace_summary.profile(run_step, args.profile, args.top)
     ms = 1e3 * statistics.median(times)
     flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch
-    kind = jax.devices()[0].device_kind
-    peak = args.peaks.get(use_fp8) or metrics.peak_flops(kind, use_fp8)
-    tflops = flops / (ms / 1e3) / 1e12
     return {
         "shape": shape,
         "recipe": recipe,
@@ -267,18 +276,63 @@ def run_one(shape: str, recipe: str, args) -> dict:
         "ms_per_step": ms,
         "ms_min": 1e3 * min(times),
         "images_per_sec": batch / (ms / 1e3),
-        "model_tflops": tflops,
-        "mfu": (tflops * 1e12 / peak) if peak else None,
-        "mfu_peak_tflops": peak / 1e12 if peak else None,
+        "model_tflops": flops / (ms / 1e3) / 1e12,
+        "fp8": use_fp8,
         "compile_s": compile_s,
         **memory,
+        "process_peak_bytes": allocator_peak(),
         "loss": float(m["loss"]),
         "finite": bool(m["finite"]),
-        "device": kind,
+        "device": jax.devices()[0].device_kind,
         **count_gemms(hlo),
         "non_fp8_gemms": non_fp8_gemms(hlo) if use_fp8 else [],
         **({"profile": prof} if prof else {}),
     }
+
+
+def allocator_peak() -> int | None:
+    """The device allocator's highest bytes in use since this process started (None off GPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def add_mfu(r: dict, peaks: dict) -> None:
+    """MFU against the measured GEMM rate for the step's operand type, else the datasheet peak."""
+    peak = peaks.get(r["fp8"]) or metrics.peak_flops(r["device"], r["fp8"])
+    r["mfu"] = r["model_tflops"] * 1e12 / peak if peak else None
+    r["mfu_peak_tflops"] = peak / 1e12 if peak else None
+
+
+def run_in_process(variants: list[str], args) -> list[dict]:
+    results = [run_one(args.shape, recipe, args) for recipe in variants]
+    if args.compile_only:
+        return results
+    peaks = {}
+    if jax.default_backend() == "gpu" and not args.no_measure_peak:
+        # After the steps, so the allocator peak is the step's own.
+        peaks = {False: measured_peak(False), True: measured_peak(True)}
+        print(f"measured GEMM peak: bf16 {peaks[False] / 1e12:.0f}, fp8 {peaks[True] / 1e12:.0f} TFLOP/s")
+    for r in results:
+        add_mfu(r, peaks)
+    return results
+
+
+def run_isolated(variants: list[str], argv: list[str]) -> list[dict]:
+    """Each variant in a fresh child process (a fresh allocator peak); this one never touches the
+    device. The children get this command line with one variant (argparse keeps the last value)."""
+    results = []
+    for variant in variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r.json")
+            cmd = [sys.executable, "-m", "benchmarks.step", *argv]
+            cmd += ["--recipes", variant, "--out", out, "--no-isolate", "--quiet"]
+            path = os.pathsep.join(filter(None, (_ROOT, os.environ.get("PYTHONPATH"))))
+            rc = subprocess.run(cmd, cwd=_ROOT, env=os.environ | {"PYTHONPATH": path}).returncode
+            if rc != 0:
+                raise SystemExit(f"benchmarks/step.py: variant {variant!r} failed (exit {rc}); see above.")
+            with open(out) as f:
+                results += json.load(f)
+    return results
 
 
 def save(results: list[dict], path: str) -> None:
@@ -310,23 +364,30 @@ def main(argv=None) -> int:
     p.add_argument("--hlo-dir", default="", help="write each recipe's compiled HLO text here")
     p.add_argument("--out", default="")
     p.add_argument("--no-measure-peak", action="store_true", help="MFU against the datasheet peak")
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each variant in a fresh process, so each has its own allocator peak (default)",
+    )
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # children: JSON only
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    if args.attention == "cudnn" and jax.default_backend() != "gpu":
-        backend = jax.default_backend()
-        p.error(f"--attention cudnn needs an NVIDIA GPU; this backend is {backend!r}: use --attention xla")
-    args.peaks = {}
-    if jax.default_backend() == "gpu" and not args.no_measure_peak:
-        args.peaks = {False: measured_peak(False), True: measured_peak(True)}
-        print(
-            f"measured GEMM peak: bf16 {args.peaks[False] / 1e12:.0f}, "
-            f"fp8 {args.peaks[True] / 1e12:.0f} TFLOP/s"
-        )
-    results = []
-    for recipe in args.recipes.split(","):
-        r = run_one(args.shape, recipe, args)
-        results.append(r)
+    variants = args.recipes.split(",")
+    if args.isolate and not args.compile_only and len(variants) > 1:
+        results = run_isolated(variants, argv)
+    else:
+        if args.attention == "cudnn" and jax.default_backend() != "gpu":
+            p.error(
+                f"--attention cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()!r}: "
+                "use --attention xla"
+            )
+        results = run_in_process(variants, args)
+    for r in results:
         print(json.dumps(r), flush=True)
     save(results, args.out)
+    if args.quiet:
+        return 0
     if args.compile_only:
         for r in results:
             mem = (r["compiled_memory_bytes"] or 0) / 2**30
@@ -342,6 +403,8 @@ def main(argv=None) -> int:
             if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
                 r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
                 r["temp_memory_vs_bf16"] = r["memory_gib"]["temp"] / base["memory_gib"]["temp"]
+            if args.isolate and base["process_peak_bytes"] and r["process_peak_bytes"]:
+                r["peak_memory_vs_bf16"] = r["process_peak_bytes"] / base["process_peak_bytes"]
     print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
     for r in results:
         mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
@@ -351,7 +414,11 @@ def main(argv=None) -> int:
             f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}"
         )
     for r in results:
-        print(f"{r['recipe']}: memory GiB {json.dumps(r.get('memory_gib'))}")
+        peak = r["process_peak_bytes"]
+        peak = f"{peak / 2**30:.2f} GiB" if peak else "n/a"
+        ratio = f" ({r['peak_memory_vs_bf16']:.3f}x BF16)" if "peak_memory_vs_bf16" in r else ""
+        gib = json.dumps(r.get("memory_gib"))
+        print(f"{r['recipe']}: compiled memory GiB {gib}; allocator peak {peak}{ratio}")
     for r in results:
         if "profile" in r:
             prof = r["profile"]

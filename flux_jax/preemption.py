@@ -5,6 +5,10 @@ with preemption.install_handler() as guard:
         ...
         if guard.preempted():   # agreed by every process: all hosts save the same step
             save(step, force=True); break
+
+With one process ``preempted()`` reads a flag; with several it is a collective (every host waits
+for the step in flight), so the train loop asks only on steps it synchronises anyway (log, save,
+eval), and a signal is honoured at the next of those.
 """
 
 from __future__ import annotations

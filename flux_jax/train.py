@@ -166,6 +166,24 @@ def _pipeline(config, split: str, fp: model.FluxParams):
     return data.make_pipeline(config, split, jax.process_index(), jax.process_count(), **kwargs)
 
 
+def _train_values(m, losses, steps_s: float, batch: int, flops: float, use_fp8: bool) -> dict[str, float]:
+    """The logged scalars of one log interval: mean loss, throughput, MFU where the peak is known,
+    memory; ``m`` holds the interval's last step's metrics, ``flops`` those of one sample."""
+    images_s = steps_s * batch
+    values = {
+        "loss": float(np.mean(losses)),
+        "grad_norm": float(m["grad_norm"]),
+        "steps_per_sec": steps_s,
+        "images_per_sec": images_s,
+        "model_tflops_per_sec": images_s * flops / 1e12,
+        **metrics.memory_metrics(),
+    }
+    peak = metrics.peak_flops(jax.devices()[0].device_kind, use_fp8)
+    if peak:
+        values["mfu"] = values["model_tflops_per_sec"] * 1e12 / (peak * jax.device_count())
+    return values
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     """Trains per config, writing checkpoints, metrics.jsonl, TensorBoard and config.json to workdir.
 
@@ -275,69 +293,67 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     consecutive, skipped, window = 0, 0, []
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     t_last, step_last = time.perf_counter(), first
+    # The host reads a step's metrics only after the next step is queued, so it fetches and
+    # transfers the next batch while the device computes instead of waiting on each step.
+    # Steps that log, save, evaluate or stop are read at once.
+    pending = None
     guard = preemption.install_handler()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
             done = step + 1
-            loss, finite = float(m["loss"]), bool(m["finite"])
-            window.append(loss)
-            if finite:
-                consecutive = 0
-            else:
-                consecutive, skipped = consecutive + 1, skipped + 1
-                if consecutive >= config.max_nonfinite_steps:
-                    if config.on_nonfinite == "bf16" and use_fp8:
-                        log.warning(
-                            "Non-finite steps %d-%d under FP8: switching to BF16.", done - consecutive, step
-                        )
-                        use_fp8, consecutive = False, 0
-                        train_step, eval_step = compile_steps(False)
-                    else:
-                        ckpt.close()
-                        writer.close()
-                        raise FloatingPointError(
-                            f"{consecutive} consecutive non-finite steps ({done - consecutive}..{step}); "
-                            f"updates were skipped and the last checkpoint is intact. Try {_REMEDIES}."
-                        )
-            elapsed = time.perf_counter() - t_last
-            if done % config.log_interval == 0 or done == config.train_iters:
-                steps_s = (done - step_last) / max(elapsed, 1e-9)
-                values = {
-                    "loss": float(np.mean(window)),
-                    "grad_norm": float(m["grad_norm"]),
-                    "lr": float(schedule(step)),
-                    "steps_per_sec": steps_s,
-                    "images_per_sec": steps_s * config.global_batch_size,
-                    "model_tflops_per_sec": steps_s * config.global_batch_size * flops / 1e12,
-                    "nonfinite_skipped": skipped,
-                    **metrics.memory_metrics(),
-                }
-                peak = metrics.peak_flops(jax.devices()[0].device_kind, use_fp8)
-                if peak:
-                    values["mfu"] = values["model_tflops_per_sec"] * 1e12 / (peak * jax.device_count())
-                if use_fp8:
-                    values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
-                writer.write(done, values)
-                mem = values.get("peak_memory_gib", values["host_peak_rss_gib"])
-                bar.set_postfix(
-                    loss=f"{values['loss']:.4f}",
-                    img_s=f"{values['images_per_sec']:.1f}",
-                    mem_gib=f"{mem:.1f}",
-                )
-                result["train_loss"] = values["loss"]
-                window, t_last, step_last = [], time.perf_counter(), done
-            bar.update(1)
+            last = done == config.train_iters
+            evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
+            due = last or evaluate or done % config.log_interval == 0
+            due = due or bool(config.save_interval and done % config.save_interval == 0)
             # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
-            preempted = guard.preempted()
-            ckpt.save(done, state, train_iter.get_state(), force=preempted or done == config.train_iters)
+            # Across processes the flag is agreed by a collective, so only on steps read at once.
+            preempted = guard.preempted() if (due or jax.process_count() == 1) else False
+            for d, md in [*([pending] if pending else []), *([(done, m)] if due or preempted else [])]:
+                finite = bool(md["finite"])
+                window.append(float(md["loss"]))
+                if finite:
+                    consecutive = 0
+                else:
+                    consecutive, skipped = consecutive + 1, skipped + 1
+                    if consecutive >= config.max_nonfinite_steps:
+                        if config.on_nonfinite == "bf16" and use_fp8:
+                            log.warning(
+                                "Non-finite steps %d-%d under FP8: switching to BF16.", d - consecutive + 1, d
+                            )
+                            use_fp8, consecutive = False, 0
+                            train_step, eval_step = compile_steps(False)
+                        else:
+                            ckpt.close()
+                            writer.close()
+                            raise FloatingPointError(
+                                f"{consecutive} consecutive non-finite steps ({d - consecutive + 1}..{d}); "
+                                f"updates were skipped and the last checkpoint is intact. Try {_REMEDIES}."
+                            )
+                if d % config.log_interval == 0 or d == config.train_iters:
+                    steps_s = (d - step_last) / max(time.perf_counter() - t_last, 1e-9)
+                    values = _train_values(md, window, steps_s, config.global_batch_size, flops, use_fp8)
+                    values |= {"lr": float(schedule(d - 1)), "nonfinite_skipped": skipped}
+                    if use_fp8:
+                        values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
+                    writer.write(d, values)
+                    mem = values.get("peak_memory_gib", values["host_peak_rss_gib"])
+                    bar.set_postfix(
+                        loss=f"{values['loss']:.4f}",
+                        img_s=f"{values['images_per_sec']:.1f}",
+                        mem_gib=f"{mem:.1f}",
+                    )
+                    result["train_loss"] = values["loss"]
+                    window, t_last, step_last = [], time.perf_counter(), d
+            pending = None if (due or preempted) else (done, m)
+            bar.update(1)
+            ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
             if preempted:
                 log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
                 result["preempted"] = True
                 break
-            last = done == config.train_iters
-            if config.eval_interval and (done % config.eval_interval == 0 or last):
+            if evaluate:
                 result["val_loss"] = run_eval(done)
                 target = config.target_val_loss
                 if target is not None and result["val_loss"] <= target:

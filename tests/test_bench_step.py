@@ -32,3 +32,34 @@ def test_cudnn_off_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         step.main(["--compile-only", "--recipes", "bf16"])
     assert "--attention xla" in capsys.readouterr().err
+
+
+def test_each_variant_in_its_own_process_side_by_side(tmp_path):
+    out = tmp_path / "r.json"
+    argv = [
+        "--shape",
+        "tiny",
+        "--attention",
+        "xla",
+        "--recipes",
+        "bf16,delayed",
+        "--steps",
+        "2",
+        "--batch",
+        "8",
+    ]
+    assert step.main([*argv, "--warmup", "1", "--out", str(out)]) == 0
+    bf16, fp8 = json.loads(out.read_text())
+    assert (bf16["recipe"], bf16["fp8"], fp8["recipe"], fp8["fp8"]) == ("bf16", False, "delayed", True)
+    assert fp8["speedup_vs_bf16"] == bf16["ms_per_step"] / fp8["ms_per_step"]
+    assert fp8["finite"] and fp8["ms_per_step"] > 0 and fp8["model_tflops"] > 0
+    # CPU keeps no allocator stats; on a GPU each child reports its own peak, compared to BF16's.
+    if jax.default_backend() == "gpu":
+        assert fp8["peak_memory_vs_bf16"] > 0
+    else:
+        assert fp8["process_peak_bytes"] is None and "peak_memory_vs_bf16" not in fp8
+
+
+def test_failed_variant_names_it():
+    with pytest.raises(SystemExit, match="'nonsense'"):
+        step.main(["--shape", "tiny", "--attention", "xla", "--recipes", "nonsense,bf16", "--steps", "1"])

@@ -70,6 +70,68 @@ def test_train_fp8_end_to_end(tmp_path):
     assert last["scale_min"] > 0 and last["amax_max"] > 0
 
 
+def test_metrics_read_one_step_late_match_every_step_reads(tmp_path):
+    # log_interval 2 reads steps 1 and 3 only after the next step is queued; the logged means
+    # must equal those of a run that reads every step at once (log_interval 1).
+    every = dict(train_iters=5, eval_interval=0, save_interval=0)
+    train.train_and_evaluate(_tiny_config(**every), str(tmp_path / "a"))
+    train.train_and_evaluate(_tiny_config(**every, log_interval=2), str(tmp_path / "b"))
+    a = [x["loss"] for x in _lines(str(tmp_path / "a")) if x["split"] == "train"]
+    b = [x for x in _lines(str(tmp_path / "b")) if x["split"] == "train"]
+    assert [x["step"] for x in b] == [2, 4, 5]
+    np.testing.assert_allclose([x["loss"] for x in b], [np.mean(a[0:2]), np.mean(a[2:4]), a[4]], rtol=1e-6)
+
+
+def _nan_pipeline(monkeypatch):
+    real = train._pipeline
+
+    def pipeline(config, split, fp):
+        it = real(config, split, fp)
+        if split != "train":
+            return it
+
+        class Poisoned:
+            get_state, set_state = it.get_state, it.set_state
+
+            def __next__(self):
+                b = next(it)
+                return b | {"img": np.full_like(b["img"], np.nan)}
+
+        return Poisoned()
+
+    monkeypatch.setattr(train, "_pipeline", pipeline)
+
+
+def test_nonfinite_steps_switch_fp8_to_bf16_then_stop(tmp_path, monkeypatch, caplog):
+    _nan_pipeline(monkeypatch)
+    config = _tiny_config(
+        fp8="e4m3", on_nonfinite="bf16", max_nonfinite_steps=2, train_iters=10, log_interval=10
+    )
+    config.eval_interval = config.save_interval = 0
+    with caplog.at_level("WARNING"), pytest.raises(FloatingPointError, match=r"2 consecutive .*\(3\.\.4\)"):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert "Non-finite steps 1-2 under FP8: switching to BF16" in caplog.text
+
+
+def test_signal_saves_the_step_and_resume_continues(tmp_path, monkeypatch):
+    from flux_jax import preemption
+
+    class SignalAtStep3(preemption.PreemptionGuard):
+        calls = 0
+
+        def preempted(self):
+            SignalAtStep3.calls += 1
+            return SignalAtStep3.calls == 3
+
+    monkeypatch.setattr(preemption, "install_handler", lambda: SignalAtStep3())
+    config = _tiny_config(train_iters=6, log_interval=5, eval_interval=0, save_interval=0)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    assert result["preempted"] and result["steps"] == 3
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "3"))
+    monkeypatch.setattr(preemption, "install_handler", preemption.PreemptionGuard)
+    assert train.train_and_evaluate(config, str(tmp_path))["steps"] == 6
+
+
 def _step_setup(config, batch_size):
     fp = train.flux_params(config)
     net = train.make_model(config, fp, use_fp8=False)
