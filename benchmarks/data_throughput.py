@@ -1,9 +1,11 @@
 """Samples/s of the shard pipeline (flux_jax.data, source="shards") at MLPerf 256 px shapes.
 
     python -m benchmarks.data_throughput [--records 128] [--batch 16] [--workers 0,2] [--dtype float16]
+        [--model-dtype float32,bfloat16]
 
 Writes synthetic shards (16x32x32 mean/logvar, 256x4096 T5, 768 CLIP) to a temp folder, then times
 full per-host batches (read + validate + resample + CFG dropout + pack + batch) after one warm-up batch.
+The pipeline hands T5 embeddings over in the model's compute dtype (--model-dtype).
 """
 
 import argparse
@@ -19,11 +21,13 @@ import numpy as np
 from flux_jax import data, shards
 
 
-def _config(path: str, workers: int) -> ml_collections.ConfigDict:
+def _config(path: str, workers: int, model_dtype: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.global_batch_size = 16
-    c.model = ml_collections.ConfigDict({"preset": "flux-schnell", "context_in_dim": 4096, "vec_in_dim": 768})
+    c.model = ml_collections.ConfigDict(
+        {"preset": "flux-schnell", "context_in_dim": 4096, "vec_in_dim": 768, "dtype": model_dtype}
+    )
     c.data = ml_collections.ConfigDict(
         {
             "source": "shards",
@@ -41,7 +45,7 @@ def _config(path: str, workers: int) -> ml_collections.ConfigDict:
 
 def write_synthetic(path: Path, records: int, dtype: str, per_shard: int = 64) -> None:
     rng = np.random.default_rng(0)
-    np_dtype = shards._np_dtype(dtype)
+    np_dtype = shards.np_dtype(dtype)
 
     def sample(i):
         return {
@@ -60,8 +64,8 @@ def write_synthetic(path: Path, records: int, dtype: str, per_shard: int = 64) -
     shards.write_empty_encodings(path, np.zeros((256, 4096)), np.zeros(768))
 
 
-def measure(path: str, workers: int, batch: int, batches: int) -> float:
-    it = data.make_pipeline(_config(path, workers), "train", 0, 1, per_host_batch=batch)
+def measure(path: str, workers: int, batch: int, batches: int, model_dtype: str) -> float:
+    it = data.make_pipeline(_config(path, workers, model_dtype), "train", 0, 1, per_host_batch=batch)
     try:
         next(it)
         start = time.perf_counter()
@@ -80,6 +84,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=16)
     p.add_argument("--workers", default="0,2")
     p.add_argument("--dtype", default="float16", choices=shards.FLOAT_DTYPES)
+    p.add_argument("--model-dtype", default="float32,bfloat16", help="comma list of model.dtype values")
     args = p.parse_args()
     host = platform.processor() or platform.machine()
     print(f"host: {host}, {os.cpu_count()} cores; T5 stored as {args.dtype}")
@@ -87,9 +92,10 @@ def main() -> None:
         start = time.perf_counter()
         write_synthetic(Path(tmp), args.records, args.dtype)
         print(f"wrote {args.records} records in {time.perf_counter() - start:.1f}s")
-        for w in map(int, args.workers.split(",")):
-            rate = measure(tmp, w, args.batch, args.batches)
-            print(f"num_workers={w} batch={args.batch}: {rate:.1f} samples/s")
+        for model_dtype in args.model_dtype.split(","):
+            for w in map(int, args.workers.split(",")):
+                rate = measure(tmp, w, args.batch, args.batches, model_dtype)
+                print(f"model.dtype={model_dtype} num_workers={w} batch={args.batch}: {rate:.1f} samples/s")
 
 
 if __name__ == "__main__":

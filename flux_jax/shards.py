@@ -39,7 +39,8 @@ ARRAY_FIELDS = ("mean", "logvar", "latent", "t5_encodings", "clip_encodings")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _np_dtype(name: str) -> np.dtype:
+def np_dtype(name: str) -> np.dtype:
+    """NumPy dtype for a name of FLOAT_DTYPES ("bfloat16" through ml_dtypes)."""
     if name == "bfloat16":
         import ml_dtypes
 
@@ -103,7 +104,7 @@ def _unpack_array(obj, name: str, where: str) -> np.ndarray:
         raise ValueError(f"{where}: field {name!r} is not an array map with dtype/shape/data")
     if obj["dtype"] not in FLOAT_DTYPES:
         raise ValueError(f"{where}: field {name!r} has dtype {obj['dtype']}, expected one of {FLOAT_DTYPES}")
-    dtype = _np_dtype(obj["dtype"])
+    dtype = np_dtype(obj["dtype"])
     shape = tuple(int(s) for s in obj["shape"])
     if len(obj["data"]) != dtype.itemsize * int(np.prod(shape)):
         raise ValueError(f"{where}: field {name!r} holds {len(obj['data'])} bytes, not shape {shape} {dtype}")

@@ -10,6 +10,7 @@ is a function of (seed, split, step, process index): the iterator state is just 
 import itertools
 import zlib
 
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 COLOURS = {
@@ -131,6 +132,7 @@ class ToyPipeline:
         vec_in_dim: int,
         cfg_dropout_prob: float = 0.0,
         process_index: int = 0,
+        txt_dtype: str = "float32",
     ):
         if split not in ("train", "val"):
             raise ValueError(f"toy data split={split!r} must be 'train' or 'val'.")
@@ -140,6 +142,7 @@ class ToyPipeline:
         self.latent_size = image_size // 8
         self.txt_len, self.cfg_dropout_prob = txt_len, cfg_dropout_prob
         self.process_index = process_index
+        self.txt_dtype = np.dtype(txt_dtype)  # the model's compute dtype, as data.RecordTransform
         self.step = 0
         self._captions = {c: embed_caption(c, txt_len, context_in_dim, vec_in_dim) for c in CAPTIONS}
         self._img_ids = img_ids(self.latent_size, self.latent_size)
@@ -177,6 +180,7 @@ class ToyPipeline:
             keep = (rng.uniform(size=b) >= self.cfg_dropout_prob).astype(np.float32)
             batch["txt"] = batch["txt"] * keep[:, None, None]
             batch["y"] = batch["y"] * keep[:, None]
+        batch["txt"] = batch["txt"].astype(self.txt_dtype)
         if self.split == "val":
             batch["timestep"] = (np.arange(b) % NUM_VAL_TIMESTEPS).astype(np.int32)
         return batch
@@ -196,4 +200,5 @@ def make_pipeline(
         vec_in_dim=vec_in_dim,
         cfg_dropout_prob=config.data.cfg_dropout_prob,
         process_index=process_index,
+        txt_dtype=config.model.dtype,
     )

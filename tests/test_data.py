@@ -11,7 +11,9 @@ def _config(path="", source="shards", **data_overrides):
     c = ml_collections.ConfigDict()
     c.seed = 3
     c.global_batch_size = 4
-    c.model = ml_collections.ConfigDict({"preset": "none", "context_in_dim": 32, "vec_in_dim": 16})
+    c.model = ml_collections.ConfigDict(
+        {"preset": "none", "context_in_dim": 32, "vec_in_dim": 16, "dtype": "float32"}
+    )
     c.data = ml_collections.ConfigDict(
         {
             "source": source,
@@ -72,6 +74,22 @@ def test_resample_statistics():
     z = data.resample_latent(mean, np.full_like(mean, np.log(0.25)), rng)
     assert abs(z.mean() - 2.0) < 0.01 and abs(z.std() - 0.5) < 0.01
     np.testing.assert_allclose(data.scale_latent(np.array([1.1159])), [0.3611], rtol=1e-6)
+
+
+def test_txt_leaves_in_the_model_compute_dtype(tmp_path):
+    # BF16 models get BF16 T5 embeddings: the same bits the model's own cast of the float32 batch gives.
+    import jax.numpy as jnp
+
+    path = _write_dataset(tmp_path)
+    f32 = next(data.make_pipeline(_config(path), "train", 0, 1, per_host_batch=4))
+    config = _config(path)
+    config.model.dtype = "bfloat16"
+    b16 = next(data.make_pipeline(config, "train", 0, 1, per_host_batch=4))
+    assert f32["txt"].dtype == np.float32 and b16["txt"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(b16["txt"], np.asarray(jnp.asarray(f32["txt"]).astype(jnp.bfloat16)))
+    for key in ("img", "img_ids", "txt_ids", "y"):
+        assert b16[key].dtype == np.float32
+        np.testing.assert_array_equal(b16[key], f32[key])
 
 
 def test_batch_contract_and_order_covers_epoch(tmp_path):

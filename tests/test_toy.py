@@ -25,6 +25,16 @@ def test_batch_contract():
     assert "timestep" not in b
 
 
+def test_txt_in_the_model_compute_dtype():
+    import jax.numpy as jnp
+
+    f32 = next(_pipe(cfg_dropout_prob=0.5))
+    b16 = next(_pipe(cfg_dropout_prob=0.5, txt_dtype="bfloat16"))
+    assert f32["txt"].dtype == np.float32 and b16["txt"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(b16["txt"], np.asarray(jnp.asarray(f32["txt"]).astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(b16["y"], f32["y"])
+
+
 def test_deterministic_and_resumable():
     a, b = _pipe(), _pipe()
     first = [next(a) for _ in range(3)]
