@@ -122,11 +122,14 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a multiple of config.save_interval (0 saves only when forced)."""
+        return self._interval > 0 and int(step) % self._interval == 0
+
     def save(self, step: int, state, data_state=None, force: bool = False) -> bool:
         """Saves at multiples of config.save_interval (always with force). True when a save started."""
         step = int(step)
-        due = self._interval > 0 and step % self._interval == 0
-        if not (force or due) or step in self._manager.all_steps():
+        if not (force or self.due(step)) or step in self._manager.all_steps():
             return False
         items = {
             _STATE: ocp.args.StandardSave(_keys_to_data(state)),

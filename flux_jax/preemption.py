@@ -7,8 +7,8 @@ with preemption.install_handler() as guard:
             save(step, force=True); break
 
 With one process ``preempted()`` reads a flag; with several it is a collective (every host waits
-for the step in flight), so the train loop asks only on steps it synchronises anyway (log, save,
-eval), and a signal is honoured at the next of those.
+for the step in flight), so the train loop passes ``can_sync=False`` except on steps it synchronises
+anyway (log, save, eval), and a signal is honoured at the next of those.
 """
 
 from __future__ import annotations
@@ -51,10 +51,16 @@ class PreemptionGuard:
         if self._callback is not None:
             self._callback(signum)
 
-    def preempted(self) -> bool:
-        """True on every process once any process got a signal (all hosts must save together)."""
+    def preempted(self, can_sync: bool = True) -> bool:
+        """True on every process once any process got a signal (all hosts must save together).
+
+        With several processes that takes a collective; ``can_sync=False`` skips it and returns
+        False, so the caller asks again on a step where waiting for every host costs nothing.
+        """
         if jax.process_count() == 1:
             return self.requested
+        if not can_sync:
+            return False
         from jax.experimental import multihost_utils
 
         return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))

@@ -305,12 +305,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             done = step + 1
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
-            due = last or evaluate or done % config.log_interval == 0
-            due = due or bool(config.save_interval and done % config.save_interval == 0)
+            due = last or evaluate or done % config.log_interval == 0 or ckpt.due(done)
             # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
-            # Across processes the flag is agreed by a collective, so only on steps read at once.
-            preempted = guard.preempted() if (due or jax.process_count() == 1) else False
-            for d, md in [*([pending] if pending else []), *([(done, m)] if due or preempted else [])]:
+            preempted = guard.preempted(can_sync=due)
+            read_now = due or preempted
+            reads = ([pending] if pending else []) + ([(done, m)] if read_now else [])
+            pending = None if read_now else (done, m)
+            for d, md in reads:
                 finite = bool(md["finite"])
                 window.append(float(md["loss"]))
                 if finite:
@@ -346,7 +347,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     )
                     result["train_loss"] = values["loss"]
                     window, t_last, step_last = [], time.perf_counter(), d
-            pending = None if (due or preempted) else (done, m)
             bar.update(1)
             ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
             if preempted:

@@ -40,3 +40,20 @@ def test_second_sigint_without_a_callable_previous_handler_interrupts():
                 os.kill(os.getpid(), signal.SIGINT)
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def test_several_processes_agree_only_when_the_caller_can_sync(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    gathered = []
+
+    def allgather(x):
+        gathered.append(int(x))
+        return [int(x), 0]  # this host's flag and another host's
+
+    monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    guard = preemption.PreemptionGuard()
+    guard.requested = True
+    assert not guard.preempted(can_sync=False) and gathered == []
+    assert guard.preempted(can_sync=True) and gathered == [1]

@@ -119,7 +119,7 @@ def test_signal_saves_the_step_and_resume_continues(tmp_path, monkeypatch):
     class SignalAtStep3(preemption.PreemptionGuard):
         calls = 0
 
-        def preempted(self):
+        def preempted(self, can_sync=True):
             SignalAtStep3.calls += 1
             return SignalAtStep3.calls == 3
 
