@@ -1,6 +1,6 @@
 """Full train-step benchmark: BF16 and each FP8 recipe side by side in one process.
 
-Times the real jitted train step of flux_jax.train (forward, backward, AdamW, FP8 state update) on
+Times the real jitted train step of flux_jax.steps (forward, backward, AdamW, FP8 state update) on
 synthetic device-resident batches, after warm-up, as the median of many synchronised steps.
 
     python benchmarks/step.py --shape block --recipes bf16,delayed,tensorwise --out results.json
@@ -43,7 +43,7 @@ import numpy as np
 from benchmarks import trace_summary
 from benchmarks.timing import median_seconds
 from configs import flux_535m
-from flux_jax import doctor, fp8, metrics, optim, sharding, train
+from flux_jax import doctor, fp8, metrics, optim, sharding, steps
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {
@@ -167,7 +167,7 @@ def memory_breakdown(compiled) -> dict:
 
 
 def train_state(variables, opt_state) -> dict:
-    """The state dict train.make_train_step takes, from init variables and optimizer state."""
+    """The state dict steps.make_train_step takes, from init variables and optimizer state."""
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": variables["params"],
@@ -190,7 +190,7 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
         jax.eval_shape(build, jax.random.key(0)),
     )
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in host.items()}
-    step = jax.jit(train.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    step = jax.jit(steps.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract, batch).compile()
@@ -212,10 +212,10 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
 def run_one(shape: str, recipe: str, args) -> dict:
     config, batch, side, txt_len = bench_config(shape, recipe, args)
     use_fp8 = config.fp8 is not None
-    fp = train.flux_params(config)
+    fp = steps.flux_params(config)
     mesh = sharding.make_mesh(config)
     rules = sharding.rules_from_config(config)
-    net = train.make_model(config, fp, use_fp8)
+    net = steps.make_model(config, fp, use_fp8)
     host = synthetic_batch(fp, batch, side, txt_len, np.random.default_rng(0))
 
     def init_variables(rng):
@@ -233,7 +233,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         opt_state = jax.jit(tx.init)(params)
     state = train_state(variables, opt_state)
     batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
-    step = jax.jit(train.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    step = jax.jit(steps.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch_dev).compile()

@@ -1,11 +1,10 @@
 """Training entry point: ``python -m flux_jax.train --config configs/X.py[:arg] --workdir DIR``.
 
 train_and_evaluate runs the chain config -> mesh -> data -> model (+ fp8 state) -> step function ->
-checkpoint, top to bottom. The step differentiates the loss with respect to (params, fp8_meta); the
-"gradient" of fp8_meta is its new value, and only params go through clipping and AdamW.
+checkpoint, then the loop, top to bottom. The step functions themselves are in ``flux_jax.steps``.
 """
 
-import dataclasses
+import contextlib
 import json
 import logging
 import os
@@ -16,13 +15,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from flux_jax import checkpoint, config_check, flow, fp8, metrics, model, optim, preemption, sharding
+from flux_jax import checkpoint, config_check, flow, fp8, metrics, model, optim, preemption, sharding, steps
 
 log = logging.getLogger(__name__)
 
@@ -30,129 +28,6 @@ _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
     "fp8_wgrad=False, first_last_layers_bf16=True, a lower lr or on_nonfinite='bf16'"
 )
-
-
-def flux_params(config) -> model.FluxParams:
-    """The preset with every non-None config.model override applied."""
-    overrides = {
-        k: config.model[k]
-        for k in ("depth", "depth_single_blocks", "hidden_size", "num_heads", "context_in_dim", "vec_in_dim")
-        + ("guidance_embed",)
-        if config.model.get(k) is not None
-    }
-    return dataclasses.replace(model.PRESETS[config.model.preset], **overrides)
-
-
-def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
-    return model.Flux(
-        params=fp,
-        dtype=jnp.dtype(config.model.dtype),
-        dot_general_policy=fp8.make_policy(config, fp) if use_fp8 else None,
-        scan_blocks=config.model.scan_blocks,
-        remat=config.recompute_granularity,
-        attention_impl=config.model.attention,
-    )
-
-
-def _forward(net, params, fp8_meta, batch, t, x_t, guidance_scale):
-    variables = {"params": params, **({fp8.FP8_COLLECTION: fp8_meta} if fp8_meta else {})}
-    guidance = jnp.full(t.shape, guidance_scale, jnp.float32) if net.params.guidance_embed else None
-    return net.apply(
-        variables, x_t, batch["img_ids"], batch["txt"], batch["txt_ids"], t, batch["y"], guidance
-    )
-
-
-def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, num_micro: int, use_fp8: bool):
-    """(state, batch) -> (state, metrics). Gradient accumulation scans over num_micro micro batches.
-
-    A step with a non-finite loss or gradient norm leaves params, opt_state and fp8_meta untouched.
-    """
-
-    def loss_fn(params, fp8_meta, batch):
-        x_t, target = flow.noise(batch["img"], batch["eps"], batch["t"])
-        meta = fp8.as_max_grad(fp8_meta) if use_fp8 else {}
-        pred = _forward(net, params, meta, batch, batch["t"], x_t, config.guidance_scale)
-        return flow.loss(pred, target)
-
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
-
-    def micro_grads(params, fp8_meta, batch):
-        loss, (g, new_meta) = grad_fn(params, fp8_meta, batch)
-        return loss, g, (fp8.from_max_grad(new_meta) if use_fp8 else fp8_meta)
-
-    def step(state, batch):
-        params, fp8_meta = state["params"], state["fp8_meta"]
-        batch = {k: v for k, v in batch.items() if k != "timestep"}
-        # Timesteps and noise are drawn for the whole global batch, so accumulation over micro
-        # batches computes the same loss as one large batch.
-        t_rng, n_rng = jax.random.split(jax.random.fold_in(state["rng"], state["step"]))
-        x0 = batch["img"]
-        t = flow.sample_timesteps(
-            t_rng,
-            x0.shape[0],
-            config.timestep_sampling,
-            config.logit_mean,
-            config.logit_std,
-            config.mode_scale,
-            config.timestep_shift,
-        )
-        batch = batch | {"t": t, "eps": jax.random.normal(n_rng, x0.shape, x0.dtype)}
-        if num_micro == 1:
-            loss, grads, new_meta = micro_grads(params, fp8_meta, batch)
-        else:
-            # Each device keeps its own rows: row block d of the global batch is device d's shard,
-            # so micro batch k takes rows k*mb..(k+1)*mb of every block.
-            def split(x):
-                dp = x.shape[0] // (num_micro * config.micro_batch_size)
-                x = x.reshape((dp, num_micro, config.micro_batch_size) + x.shape[1:])
-                return x.swapaxes(0, 1).reshape((num_micro, dp * config.micro_batch_size) + x.shape[3:])
-
-            def body(carry, inputs):
-                loss_sum, g_sum, meta_max = carry
-                loss, g, new_meta = micro_grads(params, fp8_meta, inputs)
-                meta_max = fp8.merge_states(meta_max, new_meta) if use_fp8 else meta_max
-                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), meta_max), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            init = (jnp.zeros((), jnp.float32), zeros, fp8_meta)
-            if use_fp8:
-                # Start below any real amax so the merge keeps only this step's values.
-                init = (init[0], zeros, jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8_meta))
-            micro_batches = jax.tree.map(split, batch)
-            (loss, grads, new_meta), _ = jax.lax.scan(body, init, micro_batches)
-            loss = loss / num_micro
-            grads = jax.tree.map(lambda g: g / num_micro, grads)
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-
-        def keep(new, old):
-            return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-
-        new_state = {
-            "step": state["step"] + 1,
-            "params": keep(new_params, params),
-            "opt_state": keep(opt_state, state["opt_state"]),
-            "fp8_meta": keep(new_meta, fp8_meta) if use_fp8 else fp8_meta,
-            "rng": state["rng"],
-        }
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
-
-    return step
-
-
-def make_eval_step(config, net: model.Flux, use_fp8: bool):
-    """(params, fp8_meta, batch, rng) -> (8,) loss sums and counts per validation timestep."""
-
-    def step(params, fp8_meta, batch, rng):
-        x0 = batch["img"]
-        t = flow.validation_timesteps(batch["timestep"])
-        x_t, target = flow.noise(x0, jax.random.normal(rng, x0.shape, x0.dtype), t)
-        pred = _forward(net, params, fp8_meta if use_fp8 else {}, batch, t, x_t, config.guidance_scale)
-        return flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
-
-    return step
 
 
 def _pipeline(config, split: str, fp: model.FluxParams):
@@ -191,7 +66,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     """
     # ---- Config -------------------------------------------------------------------------------
     config_check.validate(config, jax.device_count(), jax.process_count(), fp8.describe_device().platform)
-    fp = flux_params(config)
+    fp = steps.flux_params(config)
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:
@@ -211,7 +86,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Model and FP8 state ------------------------------------------------------------------
     use_fp8 = config.fp8 is not None
-    net = make_model(config, fp, use_fp8)
+    net = steps.make_model(config, fp, use_fp8)
     dummy = {k: jnp.zeros((1,) + v.shape[1:], jnp.float32) for k, v in sample.items() if k != "timestep"}
 
     def init_variables(rng):
@@ -254,14 +129,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):
-        step_net = make_model(config, fp, fp8_on)
+        step_net = steps.make_model(config, fp, fp8_on)
         train = jax.jit(
-            make_train_step(config, step_net, tx, num_micro, fp8_on),
+            steps.make_train_step(config, step_net, tx, num_micro, fp8_on),
             in_shardings=(state_shardings, batch_sh),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
         )
-        evaluate = jax.jit(make_eval_step(config, step_net, fp8_on))
+        evaluate = jax.jit(steps.make_eval_step(config, step_net, fp8_on))
         return train, evaluate
 
     train_step, eval_step = compile_steps(use_fp8)
@@ -281,24 +156,34 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         log.info("step %d: validation loss %.4f", step, float(val))
         return float(val)
 
+    def log_train(step: int, m) -> float:
+        losses, steps_s = progress.interval(step)
+        values = _train_values(m, losses, steps_s, config.global_batch_size, flops, use_fp8)
+        values |= {"lr": float(schedule(step - 1)), "nonfinite_skipped": progress.skipped}
+        if use_fp8:
+            values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
+        writer.write(step, values)
+        mem = values.get("peak_memory_gib", values["host_peak_rss_gib"])
+        bar.set_postfix(
+            loss=f"{values['loss']:.4f}", img_s=f"{values['images_per_sec']:.1f}", mem_gib=f"{mem:.1f}"
+        )
+        return values["loss"]
+
     # ---- Train loop ---------------------------------------------------------------------------
     first = int(state["step"])
-    result = {
-        "train_loss": None,
-        "val_loss": None,
-        "nonfinite_skipped": 0,
-        "fp8": use_fp8,
-        "preempted": False,
-    }
-    consecutive, skipped, window = 0, 0, []
+    result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False}
+    progress = _Progress(first, config.max_nonfinite_steps)
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
-    t_last, step_last = time.perf_counter(), first
     # The host reads a step's metrics only after the next step is queued, so it fetches and
     # transfers the next batch while the device computes instead of waiting on each step.
-    # Steps that log, save, evaluate or stop are read at once.
+    # Steps that log, save, evaluate or stop are read at once. Leaving the block (also by an error)
+    # waits for checkpoint writes in flight.
     pending = None
     guard = preemption.install_handler()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
+    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
+    for closable in (writer, ckpt, bar):
+        finish.callback(closable.close)
+    with finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
@@ -312,41 +197,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             reads = ([pending] if pending else []) + ([(done, m)] if read_now else [])
             pending = None if read_now else (done, m)
             for d, md in reads:
-                finite = bool(md["finite"])
-                window.append(float(md["loss"]))
-                if finite:
-                    consecutive = 0
-                else:
-                    consecutive, skipped = consecutive + 1, skipped + 1
-                    if consecutive >= config.max_nonfinite_steps:
-                        if config.on_nonfinite == "bf16" and use_fp8:
-                            log.warning(
-                                "Non-finite steps %d-%d under FP8: switching to BF16.", d - consecutive + 1, d
-                            )
-                            use_fp8, consecutive = False, 0
-                            train_step, eval_step = compile_steps(False)
-                        else:
-                            ckpt.close()
-                            writer.close()
-                            raise FloatingPointError(
-                                f"{consecutive} consecutive non-finite steps ({d - consecutive + 1}..{d}); "
-                                f"updates were skipped and the last checkpoint is intact. Try {_REMEDIES}."
-                            )
+                if progress.observe(md):
+                    if not (config.on_nonfinite == "bf16" and use_fp8):
+                        raise progress.error(d)
+                    log.warning("Non-finite steps %s under FP8: switching to BF16.", progress.streak(d, "-"))
+                    use_fp8, progress.consecutive = False, 0
+                    train_step, eval_step = compile_steps(False)
                 if d % config.log_interval == 0 or d == config.train_iters:
-                    steps_s = (d - step_last) / max(time.perf_counter() - t_last, 1e-9)
-                    values = _train_values(md, window, steps_s, config.global_batch_size, flops, use_fp8)
-                    values |= {"lr": float(schedule(d - 1)), "nonfinite_skipped": skipped}
-                    if use_fp8:
-                        values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
-                    writer.write(d, values)
-                    mem = values.get("peak_memory_gib", values["host_peak_rss_gib"])
-                    bar.set_postfix(
-                        loss=f"{values['loss']:.4f}",
-                        img_s=f"{values['images_per_sec']:.1f}",
-                        mem_gib=f"{mem:.1f}",
-                    )
-                    result["train_loss"] = values["loss"]
-                    window, t_last, step_last = [], time.perf_counter(), d
+                    result["train_loss"] = log_train(d, md)
             bar.update(1)
             ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
             if preempted:
@@ -360,12 +218,45 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     log.info("Reached target validation loss %.4f at step %d.", target, done)
                     ckpt.save(done, state, train_iter.get_state(), force=True)
                     break
-    bar.close()
-    ckpt.wait_until_finished()
-    ckpt.close()
-    writer.close()
-    result |= {"steps": int(state["step"]), "nonfinite_skipped": skipped, "fp8": use_fp8, "params": n_params}
-    return result
+    result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
+    return result | {"params": n_params}
+
+
+class _Progress:
+    """What the loop learns from the steps it reads, in step order: the losses of the current log
+    interval, the run of consecutive non-finite steps and the interval's clock."""
+
+    def __init__(self, first_step: int, max_nonfinite: int):
+        self.max_nonfinite = max_nonfinite
+        self.window: list[float] = []
+        self.consecutive = self.skipped = 0
+        self.t_last, self.step_last = time.perf_counter(), first_step
+
+    def observe(self, m) -> bool:
+        """Records one step's metrics; True when the non-finite run reaches max_nonfinite."""
+        self.window.append(float(m["loss"]))
+        if bool(m["finite"]):
+            self.consecutive = 0
+            return False
+        self.consecutive, self.skipped = self.consecutive + 1, self.skipped + 1
+        return self.consecutive >= self.max_nonfinite
+
+    def streak(self, step: int, sep: str) -> str:
+        """The non-finite run ending at ``step``, e.g. "3..4"."""
+        return f"{step - self.consecutive + 1}{sep}{step}"
+
+    def error(self, step: int) -> FloatingPointError:
+        return FloatingPointError(
+            f"{self.consecutive} consecutive non-finite steps ({self.streak(step, '..')}); updates were "
+            f"skipped and the last checkpoint is intact. Try {_REMEDIES}."
+        )
+
+    def interval(self, step: int) -> tuple[list[float], float]:
+        """The losses and steps/s of the log interval ending at ``step``; starts the next one."""
+        now = time.perf_counter()
+        losses, steps_s = self.window, (step - self.step_last) / max(now - self.t_last, 1e-9)
+        self.window, self.t_last, self.step_last = [], now, step
+        return losses, steps_s
 
 
 def setup_logging(logger: logging.Logger) -> None:

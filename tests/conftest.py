@@ -1,4 +1,5 @@
-"""Test setup: 8 host-platform CPU devices for the mesh tests, strict numpy rank rules."""
+"""Test setup: 8 host-platform CPU devices for the mesh tests, strict numpy rank rules, and the
+``tiny_config`` fixture (the toy config at the tiny preset, 3 steps, overrides by dotted name)."""
 
 import os
 
@@ -8,3 +9,36 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+
+def make_tiny_config(**overrides):
+    from configs import toy as toy_config
+
+    c = toy_config.get_config()
+    c.model.preset = "tiny"
+    c.data.image_size = 32  # 4 image tokens
+    c.data.txt_len = 4
+    c.micro_batch_size = 1
+    c.global_batch_size = 8
+    c.mesh.data = -1
+    c.train_iters = 3
+    c.lr_warmup_iters = 1
+    c.log_interval = 1
+    c.eval_interval = 3
+    c.eval_iters = 1
+    c.save_interval = 3
+    c.checkpoint.async_save = False
+    for k, v in overrides.items():
+        target = c
+        *path, leaf = k.split(".")
+        for p in path:
+            target = target[p]
+        target[leaf] = v
+    return c
+
+
+@pytest.fixture
+def tiny_config():
+    return make_tiny_config

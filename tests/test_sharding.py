@@ -173,7 +173,7 @@ def _fp8_config():
 
 
 def _fp8_step(model):
-    """(params, fp8_meta, batch) -> (loss, grads, new fp8_meta), threaded as in train.make_train_step."""
+    """(params, fp8_meta, batch) -> (loss, grads, new fp8_meta), threaded as in steps.make_train_step."""
 
     def loss(params, meta, batch):
         inputs = {k: v for k, v in batch.items() if k != "target"}

@@ -1,0 +1,138 @@
+"""The jitted step functions of training: model construction, train step, eval step.
+
+The train step differentiates the loss with respect to (params, fp8_meta); the "gradient" of
+fp8_meta is its new value (the FP8 dot returns its updated scaling state as the cotangent), and only
+params go through clipping and AdamW.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from flux_jax import flow, fp8, model
+
+
+def flux_params(config) -> model.FluxParams:
+    """The preset with every non-None config.model override applied."""
+    overrides = {
+        k: config.model[k]
+        for k in ("depth", "depth_single_blocks", "hidden_size", "num_heads", "context_in_dim", "vec_in_dim")
+        + ("guidance_embed",)
+        if config.model.get(k) is not None
+    }
+    return dataclasses.replace(model.PRESETS[config.model.preset], **overrides)
+
+
+def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
+    return model.Flux(
+        params=fp,
+        dtype=jnp.dtype(config.model.dtype),
+        dot_general_policy=fp8.make_policy(config, fp) if use_fp8 else None,
+        scan_blocks=config.model.scan_blocks,
+        remat=config.recompute_granularity,
+        attention_impl=config.model.attention,
+    )
+
+
+def forward(net, params, fp8_meta, batch, t, x_t, guidance_scale):
+    """The model's velocity prediction for ``x_t`` at times ``t``; fp8_meta {} for BF16."""
+    variables = {"params": params, **({fp8.FP8_COLLECTION: fp8_meta} if fp8_meta else {})}
+    guidance = jnp.full(t.shape, guidance_scale, jnp.float32) if net.params.guidance_embed else None
+    return net.apply(
+        variables, x_t, batch["img_ids"], batch["txt"], batch["txt_ids"], t, batch["y"], guidance
+    )
+
+
+def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, num_micro: int, use_fp8: bool):
+    """(state, batch) -> (state, metrics). Gradient accumulation scans over num_micro micro batches.
+
+    A step with a non-finite loss or gradient norm leaves params, opt_state and fp8_meta untouched.
+    """
+
+    def loss_fn(params, fp8_meta, batch):
+        x_t, target = flow.noise(batch["img"], batch["eps"], batch["t"])
+        meta = fp8.as_max_grad(fp8_meta) if use_fp8 else {}
+        pred = forward(net, params, meta, batch, batch["t"], x_t, config.guidance_scale)
+        return flow.loss(pred, target)
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
+
+    def micro_grads(params, fp8_meta, batch):
+        loss, (g, new_meta) = grad_fn(params, fp8_meta, batch)
+        return loss, g, (fp8.from_max_grad(new_meta) if use_fp8 else fp8_meta)
+
+    def step(state, batch):
+        params, fp8_meta = state["params"], state["fp8_meta"]
+        batch = {k: v for k, v in batch.items() if k != "timestep"}
+        # Timesteps and noise are drawn for the whole global batch, so accumulation over micro
+        # batches computes the same loss as one large batch.
+        t_rng, n_rng = jax.random.split(jax.random.fold_in(state["rng"], state["step"]))
+        x0 = batch["img"]
+        t = flow.sample_timesteps(
+            t_rng,
+            x0.shape[0],
+            config.timestep_sampling,
+            config.logit_mean,
+            config.logit_std,
+            config.mode_scale,
+            config.timestep_shift,
+        )
+        batch = batch | {"t": t, "eps": jax.random.normal(n_rng, x0.shape, x0.dtype)}
+        if num_micro == 1:
+            loss, grads, new_meta = micro_grads(params, fp8_meta, batch)
+        else:
+            # Each device keeps its own rows: row block d of the global batch is device d's shard,
+            # so micro batch k takes rows k*mb..(k+1)*mb of every block.
+            def split(x):
+                dp = x.shape[0] // (num_micro * config.micro_batch_size)
+                x = x.reshape((dp, num_micro, config.micro_batch_size) + x.shape[1:])
+                return x.swapaxes(0, 1).reshape((num_micro, dp * config.micro_batch_size) + x.shape[3:])
+
+            def body(carry, inputs):
+                loss_sum, g_sum, meta_max = carry
+                loss, g, new_meta = micro_grads(params, fp8_meta, inputs)
+                meta_max = fp8.merge_states(meta_max, new_meta) if use_fp8 else meta_max
+                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), meta_max), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (jnp.zeros((), jnp.float32), zeros, fp8_meta)
+            if use_fp8:
+                # Start below any real amax so the merge keeps only this step's values.
+                init = (init[0], zeros, jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8_meta))
+            micro_batches = jax.tree.map(split, batch)
+            (loss, grads, new_meta), _ = jax.lax.scan(body, init, micro_batches)
+            loss = loss / num_micro
+            grads = jax.tree.map(lambda g: g / num_micro, grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+        new_state = {
+            "step": state["step"] + 1,
+            "params": keep(new_params, params),
+            "opt_state": keep(opt_state, state["opt_state"]),
+            "fp8_meta": keep(new_meta, fp8_meta) if use_fp8 else fp8_meta,
+            "rng": state["rng"],
+        }
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+    return step
+
+
+def make_eval_step(config, net: model.Flux, use_fp8: bool):
+    """(params, fp8_meta, batch, rng) -> (8,) loss sums and counts per validation timestep."""
+
+    def step(params, fp8_meta, batch, rng):
+        x0 = batch["img"]
+        t = flow.validation_timesteps(batch["timestep"])
+        x_t, target = flow.noise(x0, jax.random.normal(rng, x0.shape, x0.dtype), t)
+        pred = forward(net, params, fp8_meta if use_fp8 else {}, batch, t, x_t, config.guidance_scale)
+        return flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
+
+    return step

@@ -1,0 +1,98 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flux_jax import optim, steps, toy
+
+
+def _step_setup(config, batch_size):
+    fp = steps.flux_params(config)
+    net = steps.make_model(config, fp, use_fp8=False)
+    pipe = toy.ToyPipeline(
+        seed=0,
+        split="train",
+        batch_size=batch_size,
+        image_size=config.data.image_size,
+        txt_len=config.data.txt_len,
+        context_in_dim=fp.context_in_dim,
+        vec_in_dim=fp.vec_in_dim,
+    )
+    batch = {k: jnp.asarray(v) for k, v in next(pipe).items()}
+    args = (batch["img"][:1], batch["img_ids"][:1], batch["txt"][:1], batch["txt_ids"][:1])
+    params = net.init(jax.random.key(0), *args, jnp.zeros((1,)), batch["y"][:1])["params"]
+    return net, params, batch
+
+
+def _state(params, tx):
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "fp8_meta": {},
+        "rng": jax.random.key(1),
+    }
+
+
+def test_gradient_accumulation_matches_large_batch_and_nonfinite_skips(tiny_config):
+    config = tiny_config()
+    net, params, batch = _step_setup(config, 8)
+    tx = optax.sgd(1.0)  # a linear update keeps the comparison about gradients, not Adam's sign
+    big = steps.make_train_step(config, net, tx, num_micro=1, use_fp8=False)
+    config.micro_batch_size = 2
+    acc = steps.make_train_step(config, net, tx, num_micro=4, use_fp8=False)
+    s1, m1 = jax.jit(big)(_state(params, tx), batch)
+    s4, m4 = jax.jit(acc)(_state(params, tx), batch)
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
+    assert float(m1["grad_norm"]) > 0
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # A non-finite loss skips the update (reusing the compiled large-batch step).
+    bad = batch | {"img": batch["img"].at[0, 0, 0].set(jnp.nan)}
+    skipped, m = jax.jit(big)(s1, bad)
+    assert not bool(m["finite"]) and int(skipped["step"]) == 2
+    for a, b in zip(jax.tree.leaves(skipped["params"]), jax.tree.leaves(s1["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="FP8 GEMM custom calls exist only on a GPU backend"
+)
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
+    from configs import flux_535m
+    from flux_jax import doctor
+
+    # Full width (3072): at toy widths XLA keeps most FP8 dots out of cuBLASLt, so the check needs
+    # the real GEMM sizes (flux-535m, Primus's FP8 micro batch, 256 image + 256 text tokens).
+    config = flux_535m.get_config("fp8")
+    config.fp8_wgrad = wgrad
+    config.global_batch_size = config.micro_batch_size
+    config.mesh.data = -1
+    fp = steps.flux_params(config)
+    net = steps.make_model(config, fp, use_fp8=True)
+    img_len, txt_len = (config.data.image_size // 16) ** 2, config.data.txt_len
+    b = config.micro_batch_size
+    batch = {
+        "img": jax.random.normal(jax.random.key(1), (b, img_len, fp.in_channels)),
+        "img_ids": jnp.zeros((b, img_len, 3)),
+        "txt": jnp.ones((b, txt_len, fp.context_in_dim)),
+        "txt_ids": jnp.zeros((b, txt_len, 3)),
+        "y": jnp.ones((b, fp.vec_in_dim)),
+    }
+    v = net.init(
+        jax.random.key(0),
+        *(batch[k][:1] for k in ("img", "img_ids", "txt", "txt_ids")),
+        jnp.zeros((1,)),
+        batch["y"][:1],
+    )
+    tx = optim.make_optimizer(config)
+    state = _state(v["params"], tx) | {"fp8_meta": v["fp8_meta"]}
+    step = jax.jit(steps.make_train_step(config, net, tx, num_micro=1, use_fp8=True))
+    hlo = step.lower(state, batch).compile().as_text()
+    # Token GEMMs: qkv, proj, mlp_0, mlp_2 per stream of a double block; linear1, linear2 per single.
+    # XLA may give some FP8 dots to its own Triton GEMM emitter; count_fp8_gemms counts those too.
+    linears = 8 * fp.depth + 2 * fp.depth_single_blocks
+    assert doctor.count_fp8_gemms(hlo) == linears * (3 if wgrad else 2)
