@@ -15,6 +15,9 @@ Shapes:
   535m   flux-535m (1 + 1 blocks), 256x256, 256 text tokens, Primus micro batch 2 (BF16) / 4 (FP8)
   tiny   the "tiny" preset (a few thousand parameters), 4 image + 4 text tokens: tests the bench
 
+``--micro N`` steps over N micro batches of the shape's batch (gradient accumulation, as the train
+loop does when global_batch_size > micro_batch_size): images/s and TFLOP/s count all N.
+
 Model TFLOP/s uses flux_jax.metrics.train_flops_per_sample (6 * dense params touched per token *
 tokens + attention); MFU is against the GEMM rate measured after the steps (8192^3 on random data,
 bf16 for the BF16 step, e4m3 for FP8 steps); off GPU or with --no-measure-peak, against the
@@ -82,7 +85,8 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     c.model.attention = args.attention
     c.model.scan_blocks = args.scan
     c.recompute_granularity = args.remat
-    c.micro_batch_size = c.global_batch_size = batch
+    c.micro_batch_size = batch
+    c.global_batch_size = batch * args.micro
     if recipe != "bf16":
         c.fp8 = args.format
         c.fp8_recipe = recipe
@@ -190,7 +194,8 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
         jax.eval_shape(build, jax.random.key(0)),
     )
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in host.items()}
-    step = jax.jit(steps.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    num_micro = config.global_batch_size // config.micro_batch_size
+    step = jax.jit(steps.make_train_step(config, net, tx, num_micro, use_fp8), donate_argnums=0)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract, batch).compile()
@@ -216,7 +221,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
     mesh = sharding.make_mesh(config)
     rules = sharding.rules_from_config(config)
     net = steps.make_model(config, fp, use_fp8)
-    host = synthetic_batch(fp, batch, side, txt_len, np.random.default_rng(0))
+    host = synthetic_batch(fp, batch * args.micro, side, txt_len, np.random.default_rng(0))
 
     def init_variables(rng):
         t = jnp.zeros((1,), jnp.float32)
@@ -233,7 +238,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         opt_state = jax.jit(tx.init)(params)
     state = train_state(variables, opt_state)
     batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
-    step = jax.jit(steps.make_train_step(config, net, tx, 1, use_fp8), donate_argnums=0)
+    step = jax.jit(steps.make_train_step(config, net, tx, args.micro, use_fp8), donate_argnums=0)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch_dev).compile()
@@ -264,18 +269,19 @@ def run_one(shape: str, recipe: str, args) -> dict:
 
         prof = trace_summary.profile(run_step, args.profile, args.top)
     ms = 1e3 * statistics.median(times)
-    flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch
+    flops = metrics.train_flops_per_sample(fp, side * side, txt_len) * batch * args.micro
     return {
         "shape": shape,
         "recipe": recipe,
         "batch": batch,
+        "micro_batches": args.micro,
         "image_tokens": side * side,
         "text_tokens": txt_len,
         "depth": fp.depth,
         "depth_single_blocks": fp.depth_single_blocks,
         "ms_per_step": ms,
         "ms_min": 1e3 * min(times),
-        "images_per_sec": batch / (ms / 1e3),
+        "images_per_sec": batch * args.micro / (ms / 1e3),
         "model_tflops": flops / (ms / 1e3) / 1e12,
         "fp8": use_fp8,
         "compile_s": compile_s,
@@ -355,7 +361,10 @@ def main(argv=None) -> int:
     p.add_argument("--scan", action="store_true")
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--single", type=int, default=4)
-    p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--batch", type=int, default=0, help="micro batch (default: the shape's)")
+    p.add_argument(
+        "--micro", type=int, default=1, help="micro batches per step (gradient accumulation); batch x micro per step"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile-only", action="store_true", help="abstract state: compile time and memory")
@@ -373,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # children: JSON only
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.micro < 1:
+        p.error(f"--micro {args.micro}: the number of micro batches per step must be >= 1")
     variants = args.recipes.split(",")
     if args.isolate and not args.compile_only and len(variants) > 1:
         results = run_isolated(variants, argv)

@@ -22,15 +22,19 @@ from flux_jax.fp8_cast import CAST_KERNELS, triton_available
 from flux_jax.fp8_dot import (
     AMAX_ALGOS,
     FP8_COLLECTION,
+    FP8_WEIGHTS,
     RECIPES,
     Fp8DotGeneral,
     Fp8Spec,
     as_max_grad,
+    cast_kernels,
     from_max_grad,
 )
 
 __all__ = [
     "FP8_COLLECTION",
+    "FP8_WEIGHTS",
+    "cast_kernels",
     "Fp8DotGeneral",
     "Fp8Spec",
     "DeviceDescription",

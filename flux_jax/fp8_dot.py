@@ -24,6 +24,9 @@ from jax import lax
 from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize
 
 FP8_COLLECTION = "fp8_meta"
+# Optional, per step: each FP8 dot's kernel cast made once (``cast_kernels``), read instead of casting.
+FP8_WEIGHTS = "fp8_weights"
+WEIGHT_ENTRIES = ("kernel_q", "kernel_q_t", "kernel_scale", "kernel_amax")
 OPERANDS = ("input", "kernel", "output_grad")
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 AMAX_ALGOS = ("most_recent", "max")
@@ -65,7 +68,18 @@ def push_history(history, amax):
 
 
 def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
-    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries).
+    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries)."""
+    q, q_t, use, amax = quantize_with_state(x, meta, name, dtype, spec, transpose)
+    return q, q_t, use, state_entries(meta, name, amax, use)
+
+
+def state_entries(meta, name, amax, use):
+    """The new meta entries of one operand after a cast that used ``use`` and saw ``amax``."""
+    return {f"{name}_amax_history": push_history(meta[f"{name}_amax_history"], amax), f"{name}_scale": use}
+
+
+def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
+    """(q, q.T or None, scale used, amax of x) by the per-tensor recipe.
 
     Delayed scaling quantizes with the scale from the history *before* the current amax goes in,
     so amax and cast share one pass over ``x``; tensorwise scales by the current amax (a first
@@ -79,7 +93,46 @@ def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
     else:
         use = scale_from_amax(history_amax(history, spec.amax_compute_algo), old, dtype, spec.margin)
         q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel)
-    return q, q_t, use, {f"{name}_amax_history": push_history(history, amax), f"{name}_scale": use}
+    return q, q_t, use, amax
+
+
+def cast_kernel(w, meta, spec: Fp8Spec) -> dict:
+    """One FP8 dot's kernel cast, made once per step: the ``fp8_weights`` entries of that dot."""
+    q, q_t, use, amax = quantize_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    return {"kernel_q": q, "kernel_q_t": q_t, "kernel_scale": use, "kernel_amax": amax}
+
+
+def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
+    """The kernel casts of every FP8 dot, for the ``fp8_weights`` collection (same paths as fp8_meta).
+
+    Under gradient accumulation the FP8 dots then read these instead of casting their kernel on each
+    micro batch (XLA does not hoist the casts out of the loop). ``dtype`` is the model's compute dtype,
+    the kernel's type on entering the dot, so the cast is the one the dot would make. Scanned blocks
+    (a leading layer axis on params and meta) are cast layer by layer. Per-tensor recipes only.
+    """
+    if spec.recipe not in ("delayed", "tensorwise"):
+        return {}
+
+    def one(w, meta):
+        return cast_kernel(w.astype(dtype).reshape(w.shape[0], -1), meta, spec)
+
+    def walk(p, m):
+        out = {}
+        for k, v in m.items():
+            if "kernel_scale" not in v:
+                out[k] = walk(p[k], v)
+                continue
+            # An Fp8DotGeneral's state; the Dense that owns it holds the kernel.
+            w, layers = p["kernel"], v["kernel_amax_history"].ndim - 1
+            if layers == 0:
+                out[k] = one(w, v)
+            elif layers == 1:
+                out[k] = lax.map(lambda a: one(*a), (w, v))
+            else:
+                raise ValueError(f"fp8_meta entry {k!r} has {layers} stacked axes; at most one is supported.")
+        return out
+
+    return walk(params, fp8_meta)
 
 
 def _fp8_dot_nt(a, b_t, sa, sb, out_dtype):
@@ -108,16 +161,18 @@ def _plain_dot(a, b, out_dtype):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fp8_matmul(x, w, meta, spec: Fp8Spec, out_dtype, max_grad: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def fp8_matmul(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad: bool = False):
     """y = x @ w for 2-D x (M,K), w (K,N) in FP8; ``meta`` is the dict of six state arrays.
 
-    ``max_grad``: meta arrives in MAX_GRAD_DTYPE and its cotangent (the new state) goes back in it.
+    ``cached``: None, or this dot's ``cast_kernel`` made earlier in the step; w is then only the
+    anchor of its gradient. ``max_grad``: meta arrives in MAX_GRAD_DTYPE and its cotangent (the new
+    state) goes back in it.
     """
-    return _fp8_matmul_fwd(x, w, meta, spec, out_dtype, max_grad)[0]
+    return _fp8_matmul_fwd(x, w, meta, cached, spec, out_dtype, max_grad)[0]
 
 
-def _fp8_matmul_fwd(x, w, meta, spec: Fp8Spec, out_dtype, max_grad=False):
+def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False):
     if max_grad:
         meta = from_max_grad(meta)
     if spec.recipe == "rowwise":
@@ -127,22 +182,28 @@ def _fp8_matmul_fwd(x, w, meta, spec: Fp8Spec, out_dtype, max_grad=False):
             amax = amax_of(v)
             new[f"{name}_amax_history"] = push_history(meta[f"{name}_amax_history"], amax)
             new[f"{name}_scale"] = scale_from_amax(amax, meta[f"{name}_scale"], spec.fwd_dtype, 0.0)
-        return y, (x, w, new)
+        return y, (x, w, new, cached)
     new = dict(meta)
     # x.T feeds the FP8 weight-gradient GEMM; w.T (N,K) the forward, w (K,N) the data gradient.
     qx, qx_t, sx, upd_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
-    qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    if cached is None:
+        qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    else:
+        qw, qw_t, sw = cached["kernel_q"], cached["kernel_q_t"], cached["kernel_scale"]
+        upd_w = state_entries(meta, "kernel", cached["kernel_amax"], sw)
     new.update(upd_x)
     new.update(upd_w)
     y = _fp8_dot_nt(qx, qw_t, sx, sw, out_dtype)
     # Without an FP8 wgrad the weight-gradient GEMM needs the 16-bit activation.
     saved_x = (qx_t, sx) if spec.wgrad else (x, None)
-    return y, (saved_x, (qw, sw), new)
+    return y, (saved_x, (qw, sw), new, cached)
 
 
 def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, res, g):
-    dx, dw, new = _fp8_matmul_grads(spec, out_dtype, res, g)
-    return dx, dw, as_max_grad(new) if max_grad else new
+    *res, cached = res
+    dx, dw, new = _fp8_matmul_grads(spec, out_dtype, tuple(res), g)
+    # The cached casts are step inputs, not functions of w: no gradient flows through them.
+    return dx, dw, as_max_grad(new) if max_grad else new, jax.tree.map(jnp.zeros_like, cached)
 
 
 def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
@@ -230,8 +291,20 @@ class Fp8DotGeneral(nn.Module):
         batch_shape, out_shape = lhs.shape[: lhs.ndim - n], rhs.shape[n:]
         x = lhs.reshape(-1, math.prod(lhs.shape[lhs.ndim - n :]))
         w = rhs.reshape(x.shape[1], -1)
-        y = fp8_matmul(x, w, meta, spec, out_dtype, max_grad)
+        y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w), spec, out_dtype, max_grad)
         return y.reshape(*batch_shape, *out_shape)
+
+
+def _cached_kernel_of(module: nn.Module, w):
+    if not module.has_variable(FP8_WEIGHTS, "kernel_q"):
+        return None
+    cached = {k: module.get_variable(FP8_WEIGHTS, k) for k in WEIGHT_ENTRIES}
+    if cached["kernel_q"].shape != w.shape:
+        raise ValueError(
+            f"{FP8_WEIGHTS} entry of {'/'.join(module.scope.path)} has shape {cached['kernel_q'].shape}, "
+            f"the kernel {w.shape}; rebuild it with fp8.cast_kernels from the current params."
+        )
+    return cached
 
 
 def block_scaled_dot(lhs, rhs, dimension_numbers, out_dtype):

@@ -175,7 +175,7 @@ class Flux(nn.Module):
                 continue
             scanned = nn.scan(
                 body,
-                variable_axes={"params": 0, "fp8_meta": 0},
+                variable_axes={"params": 0, "fp8_meta": 0, "fp8_weights": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=stop - start,

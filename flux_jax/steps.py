@@ -36,9 +36,14 @@ def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
     )
 
 
-def forward(net, params, fp8_meta, batch, t, x_t, guidance_scale):
-    """The model's velocity prediction for ``x_t`` at times ``t``; fp8_meta {} for BF16."""
+def forward(net, params, fp8_meta, batch, t, x_t, guidance_scale, fp8_weights=None):
+    """The model's velocity prediction for ``x_t`` at times ``t``; fp8_meta {} for BF16.
+
+    ``fp8_weights``: kernel casts made once for the step (``fp8.cast_kernels``), or None.
+    """
     variables = {"params": params, **({fp8.FP8_COLLECTION: fp8_meta} if fp8_meta else {})}
+    if fp8_weights:
+        variables[fp8.FP8_WEIGHTS] = fp8_weights
     guidance = jnp.full(t.shape, guidance_scale, jnp.float32) if net.params.guidance_embed else None
     return net.apply(
         variables, x_t, batch["img_ids"], batch["txt"], batch["txt_ids"], t, batch["y"], guidance
@@ -49,18 +54,22 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
     """(state, batch) -> (state, metrics). Gradient accumulation scans over num_micro micro batches.
 
     A step with a non-finite loss or gradient norm leaves params, opt_state and fp8_meta untouched.
+    With accumulation and ``config.fp8_cache_weights``, each FP8 kernel is cast once per step, not
+    once per micro batch (Transformer Engine's ``is_first_microbatch``); the result is the same.
     """
+    cache_weights = use_fp8 and num_micro > 1 and bool(config.get("fp8_cache_weights", True))
+    spec = fp8.spec_from_config(config) if cache_weights else None
 
-    def loss_fn(params, fp8_meta, batch):
+    def loss_fn(params, fp8_meta, batch, fp8_weights):
         x_t, target = flow.noise(batch["img"], batch["eps"], batch["t"])
         meta = fp8.as_max_grad(fp8_meta) if use_fp8 else {}
-        pred = forward(net, params, meta, batch, batch["t"], x_t, config.guidance_scale)
+        pred = forward(net, params, meta, batch, batch["t"], x_t, config.guidance_scale, fp8_weights)
         return flow.loss(pred, target)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
 
-    def micro_grads(params, fp8_meta, batch):
-        loss, (g, new_meta) = grad_fn(params, fp8_meta, batch)
+    def micro_grads(params, fp8_meta, batch, fp8_weights=None):
+        loss, (g, new_meta) = grad_fn(params, fp8_meta, batch, fp8_weights)
         return loss, g, (fp8.from_max_grad(new_meta) if use_fp8 else fp8_meta)
 
     def step(state, batch):
@@ -90,9 +99,11 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
                 x = x.reshape((dp, num_micro, config.micro_batch_size) + x.shape[1:])
                 return x.swapaxes(0, 1).reshape((num_micro, dp * config.micro_batch_size) + x.shape[3:])
 
+            weights = fp8.cast_kernels(params, fp8_meta, spec, net.dtype) if cache_weights else None
+
             def body(carry, inputs):
                 loss_sum, g_sum, meta_max = carry
-                loss, g, new_meta = micro_grads(params, fp8_meta, inputs)
+                loss, g, new_meta = micro_grads(params, fp8_meta, inputs, weights)
                 meta_max = fp8.merge_states(meta_max, new_meta) if use_fp8 else meta_max
                 return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), meta_max), None
 

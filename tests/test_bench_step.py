@@ -27,6 +27,12 @@ def test_compile_only_writes_json(tmp_path):
     assert r["compiled_memory_bytes"] > r["memory_gib"]["arguments"] * 2**30
 
 
+def test_zero_micro_batches_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        step.main(["--micro", "0", "--attention", "xla"])
+    assert "--micro 0" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention is valid on a GPU")
 def test_cudnn_off_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
@@ -46,10 +52,15 @@ def test_each_variant_in_its_own_process_side_by_side(tmp_path):
         "--steps",
         "2",
         "--batch",
-        "8",
+        "4",
+        "--micro",
+        "2",
     ]
     assert step.main([*argv, "--warmup", "1", "--out", str(out)]) == 0
     bf16, fp8 = json.loads(out.read_text())
+    # Two micro batches of 4 per step: the images are counted over both.
+    assert (fp8["batch"], fp8["micro_batches"]) == (4, 2)
+    assert fp8["images_per_sec"] == pytest.approx(8 / (fp8["ms_per_step"] / 1e3))
     assert (bf16["recipe"], bf16["fp8"], fp8["recipe"], fp8["fp8"]) == ("bf16", False, "delayed", True)
     assert fp8["speedup_vs_bf16"] == bf16["ms_per_step"] / fp8["ms_per_step"]
     assert fp8["finite"] and fp8["ms_per_step"] > 0 and fp8["model_tflops"] > 0

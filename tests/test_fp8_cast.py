@@ -84,7 +84,7 @@ def test_fp8_matmul_with_triton_cast_equals_xla_cast(recipe):
 
     def run(kernel):
         spec = Fp8Spec(recipe=recipe, amax_history_len=4, cast_kernel=kernel)
-        f = lambda x, w, meta: fp8_matmul(x, w, meta, spec, jnp.bfloat16)  # noqa: E731
+        f = lambda x, w, meta: fp8_matmul(x, w, meta, None, spec, jnp.bfloat16)  # noqa: E731
         y, vjp = jax.vjp(f, x, w, meta)
         return y, *vjp(g.astype(y.dtype))
 

@@ -1,10 +1,11 @@
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from flux_jax import optim, steps, toy
+from flux_jax import optim, sharding, steps, toy
 
 
 def _step_setup(config, batch_size):
@@ -96,3 +97,65 @@ def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
     # XLA may give some FP8 dots to its own Triton GEMM emitter; count_fp8_gemms counts those too.
     linears = 8 * fp.depth + 2 * fp.depth_single_blocks
     assert doctor.count_fp8_gemms(hlo) == linears * (3 if wgrad else 2)
+
+
+def _fp8_casts_in_accumulation(jaxpr, shapes, num_micro) -> int:
+    """Conversions to FP8 of kernel shape (or its transpose) inside the accumulation scan (the scan
+    of length ``num_micro``; scanned blocks and the layer-wise cache casts are scans of other lengths).
+
+    Only ``convert_element_type`` counts: the zero cotangents of the cached casts are FP8 arrays of
+    kernel shape too, but they are no cast (and jit drops them, nothing differentiates them).
+    """
+
+    def walk(jx, inside):
+        n = 0
+        for eqn in jx.eqns:
+            if inside and eqn.primitive.name == "convert_element_type":
+                n += sum(
+                    1
+                    for v in eqn.outvars
+                    if jnp.issubdtype(v.aval.dtype, jnp.floating)
+                    and jnp.finfo(v.aval.dtype).bits == 8
+                    and tuple(v.aval.shape) in shapes
+                )
+            accumulation = eqn.primitive.name == "scan" and eqn.params["length"] == num_micro
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += walk(sub, inside or accumulation)
+        return n
+
+    return walk(jaxpr.jaxpr, False)
+
+
+@pytest.mark.parametrize("scan_blocks", [False, True])
+def test_fp8_weight_cache_under_accumulation_is_exact_and_out_of_the_loop(tiny_config, scan_blocks):
+    # Kernel shapes (32 x 32k) stay apart from the activations' (M = 2 samples x 4 tokens).
+    config = tiny_config(fp8="e4m3", **{"model.scan_blocks": scan_blocks, "model.depth": 2})
+    config.micro_batch_size = 2
+    fp = steps.flux_params(config)
+    net = steps.make_model(config, fp, use_fp8=True)
+    _, _, batch = _step_setup(config, 8)
+    args = (batch["img"][:1], batch["img_ids"][:1], batch["txt"][:1], batch["txt_ids"][:1])
+    v = sharding.unbox(net.init(jax.random.key(0), *args, jnp.zeros((1,)), batch["y"][:1]))
+    tx = optim.make_optimizer(config)
+    state = _state(v["params"], tx) | {"fp8_meta": v["fp8_meta"]}
+    kernels = {
+        tuple(x.shape[-2:])
+        for path, x in jax.tree_util.tree_leaves_with_path(v["params"])
+        if "kernel" in jax.tree_util.keystr(path)
+    }
+    shapes = kernels | {s[::-1] for s in kernels}
+    runs = {}
+    for cache in (True, False):
+        config.fp8_cache_weights = cache
+        step = steps.make_train_step(config, net, tx, num_micro=4, use_fp8=True)
+        casts = _fp8_casts_in_accumulation(jax.make_jaxpr(step)(state, batch), shapes, 4)
+        s, m = jax.jit(step)(state, batch)
+        s, m2 = jax.jit(step)(s, batch)
+        runs[cache] = (casts, s, [float(m["loss"]), float(m2["loss"])])
+    assert runs[True][0] == 0 and runs[False][0] > 0
+    assert runs[True][2] == runs[False][2]
+    for key in ("params", "fp8_meta"):
+        for a, b in zip(jax.tree.leaves(runs[True][1][key]), jax.tree.leaves(runs[False][1][key])):
+            np.testing.assert_array_equal(a, b)
+    hist = jax.tree_util.tree_leaves_with_path(runs[True][1]["fp8_meta"])
+    assert any("kernel_amax_history" in jax.tree_util.keystr(p) and float(jnp.max(x)) > 0 for p, x in hist)
