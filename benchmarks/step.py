@@ -362,9 +362,7 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--single", type=int, default=4)
     p.add_argument("--batch", type=int, default=0, help="micro batch (default: the shape's)")
-    p.add_argument(
-        "--micro", type=int, default=1, help="micro batches per step (gradient accumulation); batch x micro per step"
-    )
+    p.add_argument("--micro", type=int, default=1, help="micro batches per step (gradient accumulation)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile-only", action="store_true", help="abstract state: compile time and memory")
