@@ -45,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.fp8_format_family = "auto"  # "auto" (from the platform) | "ocp" | "fnuz"
     c.fp8_modulation = False  # FP8 also for the per-sample modulation GEMMs (M = batch size)
     c.fp8_cast_kernel = "auto"  # "auto" (jax-triton cast on one NVIDIA GPU, else xla) | "xla" | "triton"
-    c.fp8_cache_weights = True  # with accumulation: cast FP8 kernels once per step, not per micro batch
+    c.fp8_cache_weights = True  # accumulation: cast FP8 kernels once a step, not per micro batch (+2 B/param)
     c.first_last_layers_bf16 = False  # keep the first/last blocks out of FP8
     c.num_layers_at_start_in_bf16 = 1  # used when first_last_layers_bf16 (double then single blocks)
     c.num_layers_at_end_in_bf16 = 1  # used when first_last_layers_bf16

@@ -38,7 +38,13 @@ def test_train_bf16_end_to_end_and_resume(tiny_config, tmp_path):
 
 
 def test_train_fp8_end_to_end(tiny_config, tmp_path):
-    result = train.train_and_evaluate(tiny_config(fp8="e4m3", train_iters=2, eval_interval=0), str(tmp_path))
+    # On a data=2 x fsdp=4 mesh with two micro batches per step: the kernel casts made once per step
+    # (fp8_cache_weights, the config default) are sharded like the params they come from.
+    config = tiny_config(
+        fp8="e4m3", train_iters=2, eval_interval=0, global_batch_size=16, **{"mesh.data": 2, "mesh.fsdp": 4}
+    )
+    assert config.fp8_cache_weights
+    result = train.train_and_evaluate(config, str(tmp_path))
     assert result["fp8"] and np.isfinite(result["train_loss"])
     last = _lines(str(tmp_path))[-1]
     assert last["scale_min"] > 0 and last["amax_max"] > 0
