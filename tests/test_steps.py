@@ -103,14 +103,15 @@ def _fp8_casts_in_accumulation(jaxpr, shapes, num_micro) -> int:
     """Conversions to FP8 of kernel shape (or its transpose) inside the accumulation scan (the scan
     of length ``num_micro``; scanned blocks and the layer-wise cache casts are scans of other lengths).
 
-    Only ``convert_element_type`` counts: the zero cotangents of the cached casts are FP8 arrays of
-    kernel shape too, but they are no cast (and jit drops them, nothing differentiates them).
+    Only casts count (XLA's ``convert_element_type``, the jax-triton cast kernel on a GPU): the zero
+    cotangents of the cached casts are FP8 arrays of kernel shape too, but they are no cast (and jit
+    drops them, nothing differentiates them).
     """
 
     def walk(jx, inside):
         n = 0
         for eqn in jx.eqns:
-            if inside and eqn.primitive.name == "convert_element_type":
+            if inside and eqn.primitive.name in ("convert_element_type", "triton_kernel_call"):
                 n += sum(
                     1
                     for v in eqn.outvars
