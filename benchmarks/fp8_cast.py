@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         xla = jax.jit(lambda x: fp8_cast.cast_xla(x, dtype, scale, True))
         row["xla_us"] = 1e6 * median_seconds(xla, (x,), args.iters)
         for bm, bk, warps in TILES:
-            f = jax.jit(lambda x, t=(bm, bk, warps): fp8_cast.cast_triton(x, dtype, scale, True, *t))
+            f = jax.jit(lambda x, t=(bm, bk, warps): fp8_cast.cast_triton(x, dtype, scale, True, None, *t))
             row[f"triton_{bm}x{bk}w{warps}_us"] = 1e6 * median_seconds(f, (x,), args.iters)
         best = min((k for k in row if k.startswith("triton")), key=row.get)
         row["best"] = best

@@ -2,13 +2,15 @@
 
 An FP8 GEMM on Hopper and MI300 takes both operands with the contracted axis minor, so the
 backward pass needs a second, transposed FP8 copy of the input and of the output gradient. Two
-implementations with one contract, ``cast(x, dtype, scale, transpose) -> (q, q_t, amax)``:
+implementations with one contract, ``cast(x, dtype, scale, transpose, via) -> (q, q_t, amax)``:
 
 - ``"xla"``: plain jnp; XLA fuses what it can. Runs everywhere (CPU tests, CUDA, ROCm).
 - ``"triton"``: one jax-triton kernel that reads ``x`` once and writes ``q``, ``q.T`` and
   per-tile amaxes (NVIDIA GPUs; needs the ``gpu`` extra). Bit-identical to ``"xla"``.
 
-Scale convention as in ``fp8_dot``: ``q = clip(x / scale, -max, max)``.
+Scale convention as in ``fp8_dot``: ``q = clip(x / scale, -max, max)``. ``via`` (optional) is a
+16-bit dtype ``x`` is rounded to first: a float32 master kernel is cast as the bf16 copy of it would
+be, bit for bit, without that copy being written and read.
 """
 
 import functools
@@ -34,7 +36,9 @@ def quantize(x, dtype, scale):
     return jnp.clip(scaled, -m, m).astype(dtype)
 
 
-def cast_xla(x, dtype, scale, transpose: bool):
+def cast_xla(x, dtype, scale, transpose: bool, via=None):
+    if via is not None:
+        x = x.astype(via)
     q = quantize(x, dtype, scale)
     return q, (q.T if transpose else None), amax_of(x)
 
@@ -74,6 +78,7 @@ def _kernel():
         K: tl.constexpr,
         fmax: tl.constexpr,
         transpose: tl.constexpr,
+        round_bf16: tl.constexpr,
         block_m: tl.constexpr,
         block_k: tl.constexpr,
     ):
@@ -82,7 +87,10 @@ def _kernel():
         rm = pid_m * block_m + tl.arange(0, block_m)
         rk = pid_k * block_k + tl.arange(0, block_k)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
+        if round_bf16:
+            x = x.to(tl.bfloat16)
+        x = x.to(tl.float32)
         a = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         # tl.max drops NaN; a NaN anywhere makes the tile amax inf, so the scale update skips it.
         nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
@@ -97,9 +105,15 @@ def _kernel():
     return cast_transpose_amax
 
 
-def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: int = 128, num_warps: int = 4):
+def cast_triton(
+    x, dtype, scale, transpose: bool, via=None, block_m: int = 64, block_k: int = 128, num_warps: int = 4
+):
     import jax_triton as jt
 
+    # float32 -> bf16 rounding happens in the kernel; any other 16-bit ``via`` is converted first.
+    round_bf16 = via is not None and x.dtype == jnp.float32 and jnp.dtype(via) == jnp.bfloat16
+    if via is not None and not round_bf16:
+        x = x.astype(via)
     m, k = x.shape
     grid = (-(-m // block_m), -(-k // block_k))
     out_shape = [
@@ -118,14 +132,17 @@ def cast_triton(x, dtype, scale, transpose: bool, block_m: int = 64, block_k: in
         K=k,
         fmax=fp8_max(dtype),
         transpose=transpose,
+        round_bf16=round_bf16,
         block_m=block_m,
         block_k=block_k,
     )
     return q, (q_t if transpose else None), jnp.max(tile_amax)
 
 
-def cast(x, dtype, scale, transpose: bool, kernel: str = "xla"):
-    """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``."""
+def cast(x, dtype, scale, transpose: bool, kernel: str = "xla", via=None):
+    """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``; x first rounded to ``via``."""
+    if via is not None and jnp.dtype(via) == x.dtype:
+        via = None
     if kernel == "triton" and x.ndim == 2 and np.prod(x.shape) > 0:
-        return cast_triton(x, dtype, scale, transpose)
-    return cast_xla(x, dtype, scale, transpose)
+        return cast_triton(x, dtype, scale, transpose, via)
+    return cast_xla(x, dtype, scale, transpose, via)

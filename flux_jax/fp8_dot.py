@@ -67,9 +67,9 @@ def push_history(history, amax):
     return jnp.roll(history, -1).at[0].set(amax)
 
 
-def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
+def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, via=None):
     """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries)."""
-    q, q_t, use, amax = quantize_with_state(x, meta, name, dtype, spec, transpose)
+    q, q_t, use, amax = quantize_with_state(x, meta, name, dtype, spec, transpose, via)
     return q, q_t, use, state_entries(meta, name, amax, use)
 
 
@@ -78,8 +78,8 @@ def state_entries(meta, name, amax, use):
     return {f"{name}_amax_history": push_history(meta[f"{name}_amax_history"], amax), f"{name}_scale": use}
 
 
-def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
-    """(q, q.T or None, scale used, amax of x) by the per-tensor recipe.
+def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, via=None):
+    """(q, q.T or None, scale used, amax of x) by the per-tensor recipe; ``x`` rounded to ``via`` first.
 
     Delayed scaling quantizes with the scale from the history *before* the current amax goes in,
     so amax and cast share one pass over ``x``; tensorwise scales by the current amax (a first
@@ -87,18 +87,18 @@ def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool):
     """
     history, old = meta[f"{name}_amax_history"], meta[f"{name}_scale"]
     if spec.recipe == "tensorwise":
-        amax = amax_of(x)
+        amax = amax_of(x if via is None else x.astype(via))
         use = scale_from_amax(amax, old, dtype, spec.margin)
-        q, q_t, _ = cast(x, dtype, use, transpose, spec.cast_kernel)
+        q, q_t, _ = cast(x, dtype, use, transpose, spec.cast_kernel, via)
     else:
         use = scale_from_amax(history_amax(history, spec.amax_compute_algo), old, dtype, spec.margin)
-        q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel)
+        q, q_t, amax = cast(x, dtype, use, transpose, spec.cast_kernel, via)
     return q, q_t, use, amax
 
 
-def cast_kernel(w, meta, spec: Fp8Spec) -> dict:
+def cast_kernel(w, meta, spec: Fp8Spec, via=None) -> dict:
     """One FP8 dot's kernel cast, made once per step: the ``fp8_weights`` entries of that dot."""
-    q, q_t, use, amax = quantize_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+    q, q_t, use, amax = quantize_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True, via)
     return {"kernel_q": q, "kernel_q_t": q_t, "kernel_scale": use, "kernel_amax": amax}
 
 
@@ -107,14 +107,14 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
 
     Under gradient accumulation the FP8 dots then read these instead of casting their kernel on each
     micro batch (XLA does not hoist the casts out of the loop). ``dtype`` is the model's compute dtype,
-    the kernel's type on entering the dot, so the cast is the one the dot would make. Scanned blocks
+    the one the dot rounds its float32 kernel to, so the cast is the one the dot would make. Scanned blocks
     (a leading layer axis on params and meta) are cast layer by layer. Per-tensor recipes only.
     """
     if spec.recipe not in ("delayed", "tensorwise"):
         return {}
 
     def one(w, meta):
-        return cast_kernel(w.astype(dtype).reshape(w.shape[0], -1), meta, spec)
+        return cast_kernel(w.reshape(w.shape[0], -1), meta, spec, via=dtype)
 
     def walk(p, m):
         out = {}
@@ -161,21 +161,26 @@ def _plain_dot(a, b, out_dtype):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def fp8_matmul(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def fp8_matmul(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad: bool = False, w_dtype=None):
     """y = x @ w for 2-D x (M,K), w (K,N) in FP8; ``meta`` is the dict of six state arrays.
 
-    ``cached``: None, or this dot's ``cast_kernel`` made earlier in the step; w is then only the
-    anchor of its gradient. ``max_grad``: meta arrives in MAX_GRAD_DTYPE and its cotangent (the new
-    state) goes back in it.
+    ``w`` may be the float32 master kernel of a 16-bit ``x``: it is quantized as its copy in x's
+    dtype would be (the same bits), straight from float32, and its gradient, the GEMM's output in
+    ``out_dtype``, is converted to ``w_dtype`` (w's dtype; default ``out_dtype``). ``cached``: None,
+    or this dot's ``cast_kernel`` made earlier in the step; w is then only the anchor of its
+    gradient. ``max_grad``: meta arrives in MAX_GRAD_DTYPE and its cotangent (the new state) goes
+    back in it.
     """
-    return _fp8_matmul_fwd(x, w, meta, cached, spec, out_dtype, max_grad)[0]
+    return _fp8_matmul_fwd(x, w, meta, cached, spec, out_dtype, max_grad, w_dtype)[0]
 
 
-def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False):
+def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False, w_dtype=None):
+    del w_dtype  # the backward's
     if max_grad:
         meta = from_max_grad(meta)
     if spec.recipe == "rowwise":
+        w = w.astype(x.dtype)
         y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
         new = dict(meta)
         for name, v in (("input", x), ("kernel", w)):
@@ -187,7 +192,7 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
     # x.T feeds the FP8 weight-gradient GEMM; w.T (N,K) the forward, w (K,N) the data gradient.
     qx, qx_t, sx, upd_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
     if cached is None:
-        qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True)
+        qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True, x.dtype)
     else:
         qw, qw_t, sw = cached["kernel_q"], cached["kernel_q_t"], cached["kernel_scale"]
         upd_w = state_entries(meta, "kernel", cached["kernel_amax"], sw)
@@ -199,11 +204,13 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
     return y, (saved_x, (qw, sw), new, cached)
 
 
-def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, res, g):
+def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, w_dtype, res, g):
     *res, cached = res
     dx, dw, new = _fp8_matmul_grads(spec, out_dtype, tuple(res), g)
     # The cached casts are step inputs, not functions of w: no gradient flows through them.
-    return dx, dw, as_max_grad(new) if max_grad else new, jax.tree.map(jnp.zeros_like, cached)
+    zeros = jax.tree.map(jnp.zeros_like, cached)
+    dw = dw.astype(out_dtype if w_dtype is None else w_dtype)
+    return dx, dw, as_max_grad(new) if max_grad else new, zeros
 
 
 def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
@@ -269,10 +276,11 @@ class Fp8DotGeneral(nn.Module):
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         del precision  # FP8 GEMMs have one precision.
         spec = self.spec
-        out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+        # rhs may be the float32 master kernel of a 16-bit lhs: the product is in lhs's dtype.
+        out_dtype = preferred_element_type or lhs.dtype
         if spec.recipe in ("blockwise", "mxfp8"):
             # Block scales are computed per call; there is no state to carry.
-            return block_scaled_dot(lhs, rhs, dimension_numbers, out_dtype)
+            return block_scaled_dot(lhs, rhs.astype(lhs.dtype), dimension_numbers, out_dtype)
         n_hist = max(1, spec.amax_history_len)
         meta = {}
         for name in OPERANDS:
@@ -291,7 +299,7 @@ class Fp8DotGeneral(nn.Module):
         batch_shape, out_shape = lhs.shape[: lhs.ndim - n], rhs.shape[n:]
         x = lhs.reshape(-1, math.prod(lhs.shape[lhs.ndim - n :]))
         w = rhs.reshape(x.shape[1], -1)
-        y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w), spec, out_dtype, max_grad)
+        y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w), spec, out_dtype, max_grad, w.dtype)
         return y.reshape(*batch_shape, *out_shape)
 
 

@@ -1,7 +1,8 @@
 """FLUX.1 building blocks in Flax linen, one class per BFL concept.
 
 Every linear layer is a `dense(...)`: float32 params, configurable compute dtype, logical axis
-names for sharding, and an injectable dot_general (the FP8 hook). Blocks never branch on FP8;
+names for sharding, and an injectable dot_general (the FP8 hook), which receives the float32 kernel
+and makes its own low-precision copy of it. Blocks never branch on FP8;
 they only pass `dot_general_cls` (token GEMMs) and `modulation_dot_general_cls` (the per-sample
 modulation GEMM, whose M is the batch size) through.
 """
@@ -12,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.math import attention
@@ -27,6 +29,25 @@ zeros = nn.initializers.zeros_init()
 def activation_names(ndim: int, feature: str | None) -> tuple[str | None, ...]:
     """Logical names of a (B, [L,] features) activation whose features carry kernel axis `feature`."""
     return ("act_batch",) + ("act_len",) * (ndim - 2) + (None if feature is None else f"act_{feature}",)
+
+
+def promote_all_but_kernel(inputs, kernel, bias, dtype=None):
+    """Dense's dtype promotion with the kernel left in its param dtype (float32): the dot_general
+    casts it. ``compute_dtype_dot`` rounds it to the input's dtype, as nn.Dense would; the FP8 dot
+    quantizes it straight from float32 to the same FP8 bits, without writing and reading a bf16 copy."""
+    inputs, bias = nn.dtypes.promote_dtype(inputs, bias, dtype=dtype)
+    return inputs, kernel, bias
+
+
+def compute_dtype_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``lax.dot_general`` with the kernel (rhs) in the input's dtype: the 16-bit dense GEMM."""
+    return lax.dot_general(
+        lhs,
+        rhs.astype(lhs.dtype),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
 
 
 class Dense(nn.Dense):
@@ -68,6 +89,8 @@ def dense(
         param_dtype=jnp.float32,
         kernel_init=nn.with_logical_partitioning(kernel_init, axes),
         bias_init=nn.with_logical_partitioning(zeros, (axes[1],)),
+        promote_dtype=promote_all_but_kernel,
+        dot_general=compute_dtype_dot,
         dot_general_cls=dot_general_cls,
         name=name,
     )

@@ -364,3 +364,36 @@ def test_policy_modulation_sites_follow_config(fp8_modulation):
     assert (policy("double_blocks.1.modulation") is not None) == fp8_modulation
     assert (policy("single_blocks.0.modulation") is not None) == fp8_modulation
     assert policy("img_in") is None and policy("final_layer") is None
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "tensorwise", "rowwise"])
+def test_dense_hands_the_float32_kernel_to_its_dot_bit_equal(recipe):
+    # layers.dense gives its dot_general the float32 master kernel (the FP8 dot quantizes it straight
+    # from float32); flax's nn.Dense gives it the bf16 copy. Same outputs, gradients and FP8 state.
+    from flux_jax.layers import dense
+
+    factory = None if recipe is None else functools.partial(Fp8DotGeneral, spec=Fp8Spec(recipe=recipe))
+    ours = dense(24, (None, None), "d", jnp.bfloat16, factory)
+    flax_dense = nn.Dense(24, dtype=jnp.bfloat16, param_dtype=jnp.float32, dot_general_cls=factory)
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 40), jnp.float32)
+    variables = flax_dense.init(jax.random.PRNGKey(1), x)
+    params = jax.tree.map(lambda p: p + 0.01, variables["params"])  # a nonzero bias
+    meta = {k: v for k, v in variables.items() if k != "params"}
+    if recipe is not None:
+        assert "fp8_meta" in meta  # fp8_meta, then a second step from the first one's state
+
+    def run(module, meta):
+        def f(params, meta, x):
+            return module.apply({"params": params, **jax.tree.map(fp8.as_max_grad, meta)}, x)
+
+        y, vjp = jax.vjp(f, params, meta, x)
+        dparams, dmeta, dx = vjp(jnp.cos(y.astype(jnp.float32)).astype(y.dtype))
+        return y, dparams, jax.tree.map(fp8.from_max_grad, dmeta), dx
+
+    for _ in range(2):
+        got, want = jax.jit(lambda m: run(ours, m))(meta), jax.jit(lambda m: run(flax_dense, m))(meta)
+        assert got[1]["kernel"].dtype == jnp.float32
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        meta = got[2]

@@ -31,6 +31,23 @@ def test_xla_cast_quantizes_transposes_and_measures_amax():
     assert none is None
 
 
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("triton", marks=gpu_only)])
+@pytest.mark.parametrize("via", [jnp.bfloat16, jnp.float16])
+def test_cast_via_rounds_a_float32_master_first(kernel, via):
+    # A float32 kernel cast "via" the compute dtype gives the bits of casting its 16-bit copy.
+    w = _x((200, 300), 4, jnp.float32, scale=0.05)
+    scale = jnp.float32(float(jnp.max(jnp.abs(w))) / 448 * 0.5)
+    cast = jax.jit(fp8_cast.cast, static_argnums=(1, 3, 4, 5))
+    want = cast(w.astype(via), jnp.float8_e4m3fn, scale, True, kernel, None)
+    got = cast(w, jnp.float8_e4m3fn, scale, True, kernel, via)
+    plain = cast(w, jnp.float8_e4m3fn, scale, True, kernel, None)
+    for a, b in zip(want[:2], got[:2]):
+        np.testing.assert_array_equal(np.asarray(b).view(np.uint8), np.asarray(a).view(np.uint8))
+    assert float(got[2]) == float(want[2]) == float(jnp.max(jnp.abs(w.astype(via))))
+    # Without ``via`` the float32 values round differently somewhere: the check has teeth.
+    assert not np.array_equal(np.asarray(plain[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
+
+
 def _config(**kw):
     c = ml_collections.ConfigDict(
         dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_cast_kernel="xla")
