@@ -302,6 +302,19 @@ def allocator_peak() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def gemm_only_bound(base: dict, r: dict) -> float | None:
+    """Speedup over BF16 if this variant changed only the GEMM kernels (both profiled, else None).
+
+    The BF16 step's wall time with its GEMM time replaced by this variant's: every other kernel
+    (optimizer, attention, norms, launch gaps) costs what it costs in BF16 and the FP8 casts are
+    free. The most FP8 can give at this shape; the gap to the measured speedup is FP8's own overhead.
+    """
+    if "profile" not in base or "profile" not in r:
+        return None
+    gemm = lambda p: sum(p["by_category_ms"].get(c, 0.0) for c in ("gemm", "fp8_gemm"))  # noqa: E731
+    return base["ms_per_step"] / (base["ms_per_step"] - gemm(base["profile"]) + gemm(r["profile"]))
+
+
 def add_mfu(r: dict, peaks: dict) -> None:
     """MFU against the measured GEMM rate for the step's operand type, else the datasheet peak."""
     peak = peaks.get(r["fp8"]) or metrics.peak_flops(r["device"], r["fp8"])
@@ -414,6 +427,8 @@ def main(argv=None) -> int:
                 r["temp_memory_vs_bf16"] = r["memory_gib"]["temp"] / base["memory_gib"]["temp"]
             if args.isolate and base["process_peak_bytes"] and r["process_peak_bytes"]:
                 r["peak_memory_vs_bf16"] = r["process_peak_bytes"] / base["process_peak_bytes"]
+            if r is not base and (bound := gemm_only_bound(base, r)) is not None:
+                r["gemm_only_bound_vs_bf16"] = bound
     print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
     for r in results:
         mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
@@ -436,6 +451,12 @@ def main(argv=None) -> int:
                 f"per step (wall {r['ms_per_step']:.2f} ms); by category:",
                 json.dumps(prof["by_category_ms"]),
             )
+            if "gemm_only_bound_vs_bf16" in r:
+                print(
+                    f"{r['recipe']}: with only the GEMMs changed from BF16's (free casts, the rest as in "
+                    f"BF16) the step would be {r['gemm_only_bound_vs_bf16']:.2f}x BF16; measured "
+                    f"{r['speedup_vs_bf16']:.2f}x"
+                )
             for name, cat, ms in r["profile"]["top_kernels_ms"]:
                 print(f"    {ms:8.3f} ms  {cat:<10} {name}")
     for r in results:

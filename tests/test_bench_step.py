@@ -74,3 +74,13 @@ def test_each_variant_in_its_own_process_side_by_side(tmp_path):
 def test_failed_variant_names_it():
     with pytest.raises(SystemExit, match="'nonsense'"):
         step.main(["--shape", "tiny", "--attention", "xla", "--recipes", "nonsense,bf16", "--steps", "1"])
+
+
+def test_gemm_only_bound_replaces_the_gemm_time_only():
+    # BF16: 60 ms wall, 30 ms of GEMMs; FP8: 14 ms of FP8 GEMMs + 2 ms of 16-bit ones, and a 3 ms cast
+    # that the bound leaves out: 60 / (60 - 30 + 16) = 1.30x.
+    base = {"ms_per_step": 60.0, "profile": {"by_category_ms": {"gemm": 30.0, "fusion": 20.0}}}
+    fp8_cats = {"fp8_gemm": 14.0, "gemm": 2.0, "fusion": 20.0, "transpose": 3.0}
+    fp8 = {"ms_per_step": 48.0, "profile": {"by_category_ms": fp8_cats}}
+    assert step.gemm_only_bound(base, fp8) == pytest.approx(60 / 46)
+    assert step.gemm_only_bound(base, {"ms_per_step": 48.0}) is None
