@@ -181,6 +181,12 @@ def train_state(variables, opt_state) -> dict:
     }
 
 
+def jitted_step(config, net, tx, use_fp8):
+    """The jitted train step, donating its state, over global_batch_size / micro_batch_size micro batches."""
+    num_micro = config.global_batch_size // config.micro_batch_size
+    return jax.jit(steps.make_train_step(config, net, tx, num_micro, use_fp8), donate_argnums=0)
+
+
 def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8) -> dict:
     """Lowers and compiles the step on abstract state (nothing allocated): compile time and memory."""
 
@@ -194,8 +200,7 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
         jax.eval_shape(build, jax.random.key(0)),
     )
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in host.items()}
-    num_micro = config.global_batch_size // config.micro_batch_size
-    step = jax.jit(steps.make_train_step(config, net, tx, num_micro, use_fp8), donate_argnums=0)
+    step = jitted_step(config, net, tx, use_fp8)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract, batch).compile()
@@ -238,7 +243,7 @@ def run_one(shape: str, recipe: str, args) -> dict:
         opt_state = jax.jit(tx.init)(params)
     state = train_state(variables, opt_state)
     batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
-    step = jax.jit(steps.make_train_step(config, net, tx, args.micro, use_fp8), donate_argnums=0)
+    step = jitted_step(config, net, tx, use_fp8)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch_dev).compile()

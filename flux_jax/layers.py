@@ -2,9 +2,9 @@
 
 Every linear layer is a `dense(...)`: float32 params, configurable compute dtype, logical axis
 names for sharding, and an injectable dot_general (the FP8 hook), which receives the float32 kernel
-and makes its own low-precision copy of it. Blocks never branch on FP8;
-they only pass `dot_general_cls` (token GEMMs) and `modulation_dot_general_cls` (the per-sample
-modulation GEMM, whose M is the batch size) through.
+and makes its own low-precision copy of it. Blocks never branch on FP8; they only pass
+`dot_general_cls` (token GEMMs) and `modulation_dot_general_cls` (the per-sample modulation GEMM,
+whose M is the batch size) through.
 """
 
 from collections.abc import Callable
