@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 CAST_KERNELS = ("xla", "triton")
 
@@ -36,9 +37,25 @@ def quantize(x, dtype, scale):
     return jnp.clip(scaled, -m, m).astype(dtype)
 
 
+def round_to(x, dtype):
+    """``x`` rounded to ``dtype``'s values (to nearest even; its subnormals and overflow included), kept in
+    x's dtype.
+
+    ``x.astype(dtype).astype(x.dtype)`` does not survive XLA's excess-precision simplification (on by
+    default on GPUs), which drops such convert pairs; ``reduce_precision`` does, but it flushes the
+    subnormals of a narrower exponent range to zero, so those are rounded to dtype's subnormal step here.
+    """
+    info = jnp.finfo(dtype)
+    out = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp < jnp.finfo(x.dtype).nexp:
+        step = float(info.smallest_subnormal)
+        out = jnp.where(jnp.abs(x) < float(info.smallest_normal), jnp.round(x / step) * step, out)
+    return out
+
+
 def cast_xla(x, dtype, scale, transpose: bool, via=None):
     if via is not None:
-        x = x.astype(via)
+        x = round_to(x, via)
     q = quantize(x, dtype, scale)
     return q, (q.T if transpose else None), amax_of(x)
 

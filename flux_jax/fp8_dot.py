@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize
+from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize, round_to
 
 FP8_COLLECTION = "fp8_meta"
 # Optional, per step: each FP8 dot's kernel cast made once (``cast_kernels``), read instead of casting.
@@ -180,7 +180,9 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
     if max_grad:
         meta = from_max_grad(meta)
     if spec.recipe == "rowwise":
-        w = w.astype(x.dtype)
+        w = round_to(w, x.dtype).astype(
+            x.dtype
+        )  # the 16-bit copy's values, also under XLA's excess precision
         y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
         new = dict(meta)
         for name, v in (("input", x), ("kernel", w)):

@@ -48,6 +48,19 @@ def test_cast_via_rounds_a_float32_master_first(kernel, via):
     assert not np.array_equal(np.asarray(plain[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
 
 
+@pytest.mark.parametrize("via", [jnp.bfloat16, jnp.float16])
+def test_round_to_is_the_16_bit_copy_even_where_xla_drops_convert_pairs(via):
+    # Normal values, subnormals of the 16-bit type, overflow to inf, signed zero.
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal(4096) * s for s in (0.05, 1e-5, 1e-7, 1e5)]
+    x = jnp.asarray(np.concatenate(parts + [[65519.0, 65520.0, 7e4, 2.98e-8, 2.99e-8, -0.0]]), jnp.float32)
+    want = np.asarray(x.astype(via).astype(jnp.float32))
+    for fn in (fp8_cast.round_to, jax.jit(fp8_cast.round_to, static_argnums=1)):
+        got = np.asarray(fn(x, via))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def _config(**kw):
     c = ml_collections.ConfigDict(
         dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_cast_kernel="xla")
