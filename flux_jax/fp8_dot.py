@@ -87,7 +87,7 @@ def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, vi
     """
     history, old = meta[f"{name}_amax_history"], meta[f"{name}_scale"]
     if spec.recipe == "tensorwise":
-        amax = amax_of(x if via is None else x.astype(via))
+        amax = amax_of(x if via is None else round_to(x, via))
         use = scale_from_amax(amax, old, dtype, spec.margin)
         q, q_t, _ = cast(x, dtype, use, transpose, spec.cast_kernel, via)
     else:
@@ -180,9 +180,8 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
     if max_grad:
         meta = from_max_grad(meta)
     if spec.recipe == "rowwise":
-        w = round_to(w, x.dtype).astype(
-            x.dtype
-        )  # the 16-bit copy's values, also under XLA's excess precision
+        # The 16-bit copy's values, also under XLA's excess precision (see round_to).
+        w = round_to(w, x.dtype).astype(x.dtype)
         y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
         new = dict(meta)
         for name, v in (("input", x), ("kernel", w)):
