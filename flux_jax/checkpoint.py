@@ -22,6 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from flux_jax import cli
+
 log = logging.getLogger(__name__)
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
@@ -374,4 +376,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

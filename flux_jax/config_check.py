@@ -6,6 +6,7 @@ the value given and what is allowed; FP8 fields are checked against the platform
 """
 
 from flux_jax import flow, fp8, model, optim, sharding
+from flux_jax.errors import UserError
 
 _CHOICES = {
     "model.dtype": ("bfloat16", "float32"),
@@ -100,7 +101,7 @@ def validate(
                 f"({config.micro_batch_size}) x data-parallel size ({dp}) and by the {process_count} hosts"
             )
     if bad:
-        raise ValueError("Invalid config: " + "; ".join(bad) + ".")
+        raise UserError("Invalid config: " + "; ".join(bad) + ".")
     fp8.validate_config(config)
 
 

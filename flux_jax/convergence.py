@@ -20,7 +20,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from flux_jax import config_check, fp8, train
+from flux_jax import cli, config_check, fp8, train
 
 log = logging.getLogger(__name__)
 
@@ -339,4 +339,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("smooth", 20, "Moving-average window (logged points) of the plotted curves.")
     flags.DEFINE_float("tolerance", 0.05, "Verdict: |ratio - 1| <= tolerance for every ratio.")
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    app.run(lambda argv: cli.run(lambda: main(argv)))

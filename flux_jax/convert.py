@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax import cli
 from flux_jax.model import PRESETS, Flux, FluxParams, block_segments
 
 _PREFIX = "model.diffusion_model."
@@ -268,4 +269,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -9,7 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from flux_jax import fp8
+from flux_jax import cli, fp8
 from flux_jax.fp8_dot import Fp8DotGeneral, Fp8Spec
 
 # Custom-call targets of FP8 GEMMs: cuBLASLt on CUDA, hipBLASLt on ROCm (same target name there).
@@ -104,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

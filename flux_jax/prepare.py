@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from flux_jax import shards
+from flux_jax import cli, shards
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 ARROW_COLUMNS = ("t5_encodings", "clip_encodings", "mean", "logvar")
@@ -256,4 +256,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flux_jax import flow
+from flux_jax import cli, flow
 
 
 def get_schedule(num_steps: int, image_seq_len: int, shift: bool) -> jax.Array:
@@ -264,4 +264,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -20,7 +20,19 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from flux_jax import checkpoint, config_check, flow, fp8, metrics, model, optim, preemption, sharding, steps
+from flux_jax import (
+    checkpoint,
+    cli,
+    config_check,
+    flow,
+    fp8,
+    metrics,
+    model,
+    optim,
+    preemption,
+    sharding,
+    steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -280,4 +292,4 @@ if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:arg].", lock_config=True)
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    app.run(lambda argv: cli.run(lambda: main(argv)))
