@@ -1,4 +1,4 @@
-"""Euler sampling with the FLUX schedule, latent unpacking, and PNG export.
+"""Euler sampling with the FLUX schedule and PNG export.
 
 CLI: python -m flux_jax.sample --workdir W --config configs/toy.py --num_steps N --out DIR
 restores the newest checkpoint's params, samples toy captions (or the first validation batch of
@@ -19,22 +19,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flux_jax import flow
+from flux_jax import flow, latents
 
 
 def get_schedule(num_steps: int, image_seq_len: int, shift: bool) -> jax.Array:
     """num_steps + 1 timesteps from 1 to 0; shifted by sequence length for dev-style models."""
     return flow.get_schedule(num_steps, image_seq_len, shift=shift)
-
-
-def unpack(x: jax.Array, height: int, width: int) -> jax.Array:
-    """Inverse of BFL's pack "b c (h ph) (w pw) -> b (h w) (c ph pw)": (B, L, 4c) -> (B, c, H, W)."""
-    b, seq, feat = x.shape
-    if seq != (height // 2) * (width // 2) or feat % 4:
-        raise ValueError(f"cannot unpack {x.shape} into a {height}x{width} latent with 2x2 patches")
-    c = feat // 4
-    x = x.reshape(b, height // 2, width // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, height, width)
 
 
 # apply_fn(variables, img, img_ids, txt, txt_ids, timesteps (B,), y, guidance (B,) | None) -> velocity
@@ -237,7 +227,7 @@ def main(argv=None) -> None:
     num_steps = args.num_steps or (50 if shift else 4)
     noise = jax.random.normal(jax.random.key(args.seed), (n, seq_len, fp.in_channels), jnp.float32)
     uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, txt, y)
-    img_ids = jnp.broadcast_to(jnp.asarray(toy.img_ids(size, size)), (n, seq_len, 3))
+    img_ids = jnp.broadcast_to(jnp.asarray(latents.image_ids(size, size)), (n, seq_len, 3))
     out = denoise(
         flux_apply_fn(flux),
         {"params": params},
@@ -251,14 +241,14 @@ def main(argv=None) -> None:
         uncond,
         args.cfg_scale,
     )
-    latents = np.asarray(unpack(out, size, size))
+    unpacked = np.asarray(latents.unpack(out, size, size))
     if args.ae:
         from flux_jax import autoencoder
 
         ae_params, ae_vars = autoencoder.load_autoencoder(args.ae)
-        images = (np.asarray(autoencoder.decode_nchw(ae_vars, latents, ae_params)) + 1.0) / 2.0
+        images = (np.asarray(autoencoder.decode_nchw(ae_vars, unpacked, ae_params)) + 1.0) / 2.0
     else:
-        images = toy.decode(latents)
+        images = toy.decode(unpacked)
     paths = write_images(args.out, images, prompts)
     print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
 

@@ -55,19 +55,6 @@ def _record_ids(batch):
     return np.round(batch["img"][:, 0, 0] / data.VAE_SCALE + data.VAE_SHIFT).astype(int)
 
 
-def test_pack_matches_bfl_rearrange_and_ids():
-    z = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6)
-    packed = data.pack_latent(z)
-    assert packed.shape == (6, 8)
-    for h in range(2):
-        for w in range(3):
-            expected = [z[c, 2 * h + ph, 2 * w + pw] for c in range(2) for ph in range(2) for pw in range(2)]
-            np.testing.assert_array_equal(packed[h * 3 + w], expected)
-    ids = data.image_ids(4, 6)
-    np.testing.assert_array_equal(ids[4], [0.0, 1.0, 1.0])
-    assert ids.shape == (6, 3) and np.all(ids[:, 0] == 0)
-
-
 def test_resample_statistics():
     rng = np.random.default_rng(0)
     mean = np.full((16, 64, 64), 2.0, np.float32)

@@ -70,11 +70,20 @@ def test_logical_to_spec_fallbacks():
 
 def test_rules_from_config_override():
     assert sharding.rules_from_config(_config(1, 1, 1)) == sharding.DEFAULT_RULES
-    rules = sharding.rules_from_config(
-        _config(1, 1, 1, logical_axis_rules=[("embed", None), ("mlp", "fsdp")])
-    )
+    assert sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="")) == sharding.DEFAULT_RULES
+    rules = sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="embed=none, mlp=fsdp"))
+    assert rules[:2] == (("embed", None), ("mlp", "fsdp"))
+    assert ("embed", "fsdp") not in rules and ("qkv", "tensor") in rules  # unbound names keep the defaults
     mesh = sharding.make_mesh(_config(1, 4, 2))
     assert sharding.logical_to_spec(("embed", "mlp"), (8, 8), mesh, rules) == PartitionSpec(None, "fsdp")
+    joined = sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="act_batch=data+fsdp+tensor"))
+    assert joined[0] == ("act_batch", ("data", "fsdp", "tensor"))
+
+
+@pytest.mark.parametrize("text", ["embd=fsdp", "embed=fdsp", "embed"])
+def test_bad_logical_axis_rules_name_the_field_and_the_form(text):
+    with pytest.raises(ValueError, match=r"logical_axis_rules=.*bad entries .*e\.g\. --config"):
+        sharding.parse_rules(text)
 
 
 def _inputs(params, batch=8, img_len=16, txt_len=8):
