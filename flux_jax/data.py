@@ -107,28 +107,13 @@ class MockSource:
         return {"id": f"mock-{index}", **self._pool[index % self.pool_size]}
 
 
-def _model_dims(config, context_in_dim, vec_in_dim) -> tuple[int, int]:
-    ctx = context_in_dim or config.model.get("context_in_dim")
-    vec = vec_in_dim or config.model.get("vec_in_dim")
-    if ctx is None or vec is None:
-        try:
-            from flux_jax import model
-
-            preset = model.PRESETS[config.model.preset]
-            ctx, vec = ctx or preset.context_in_dim, vec or preset.vec_in_dim
-        except (ImportError, KeyError, AttributeError):
-            ctx, vec = ctx or 4096, vec or 768
-    return int(ctx), int(vec)
-
-
-def record_spec(config, context_in_dim=None, vec_in_dim=None) -> shards.RecordSpec:
+def record_spec(config, context_in_dim: int, vec_in_dim: int) -> shards.RecordSpec:
+    """The stored record shapes for config.data and the model's text / pooled widths."""
     size = int(config.data.image_size)
     if size % 16:
         raise ValueError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
-    ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
-    return shards.RecordSpec(
-        (latents.LATENT_CHANNELS, size // 8, size // 8), int(config.data.txt_len), ctx, vec
-    )
+    latent_shape = (latents.LATENT_CHANNELS, size // 8, size // 8)
+    return shards.RecordSpec(latent_shape, int(config.data.txt_len), int(context_in_dim), int(vec_in_dim))
 
 
 def _default_host_batch(config, process_count: int) -> int:
@@ -188,34 +173,27 @@ def build_dataset(
 
 def make_pipeline(
     config,
-    split: str = "train",
-    process_index: int | None = None,
-    process_count: int | None = None,
+    split: str,
+    process_index: int,
+    process_count: int,
     *,
+    context_in_dim: int,
+    vec_in_dim: int,
     per_host_batch: int | None = None,
-    context_in_dim: int | None = None,
-    vec_in_dim: int | None = None,
     mock_records: int = 4096,
 ):
-    """Iterator of per-host batches for config.data.source in {"shards", "mock", "toy"}.
+    """Iterator of per-host batches for config.data.source "shards" or "mock" (``setup.make_pipeline``
+    dispatches every source, toy included, with the model's text / pooled widths).
 
     per_host_batch: samples this host yields per call (micro_batch_size x this host's
     data-parallel share); defaults to global_batch_size / process_count.
     """
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index, process_count = jax.process_index(), jax.process_count()
     source_name = config.data.source
-    if source_name == "toy":
-        from flux_jax import toy
-
-        ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
-        return toy.make_pipeline(
-            config, split, process_index, process_count, context_in_dim=ctx, vec_in_dim=vec
-        )
     if source_name not in ("shards", "mock"):
-        raise ValueError(f"data.source={source_name!r} must be one of 'toy', 'shards', 'mock'")
+        raise ValueError(
+            f"data.source={source_name!r}: the grain pipeline reads 'shards' or 'mock' ('toy' is "
+            "flux_jax.toy); pick one of 'toy', 'shards', 'mock'"
+        )
     batch = per_host_batch or _default_host_batch(config, process_count)
     spec = record_spec(config, context_in_dim, vec_in_dim)
     cfg_p = float(config.data.cfg_dropout_prob)

@@ -154,19 +154,21 @@ def _conditioning(config, fp, num_images: int, prompts: list[str] | None):
         raise ValueError(
             "--prompt only works with data.source='toy'; real prompts need stored T5/CLIP encodings"
         )
-    from flux_jax import data
+    from flux_jax import setup
 
-    batch = next(iter(data.make_pipeline(config, "val", 0, 1, per_host_batch=num_images)))
+    batch = next(iter(setup.make_pipeline(config, "val", 0, 1, fp=fp, per_host_batch=num_images)))
     names = [f"val[{i}]" for i in range(num_images)]
     return names, np.asarray(batch["txt"]), np.asarray(batch["y"]), size
 
 
-def _empty_caption(config, txt, y):
+def _empty_caption(config, fp, txt, y):
     """The encodings training swapped in for dropped captions: stored ones for shards, else zeros."""
     if config.data.source == "shards":
         from flux_jax import data, shards
 
-        t5, clip = shards.read_empty_encodings(config.data.path, data.record_spec(config))
+        t5, clip = shards.read_empty_encodings(
+            config.data.path, data.record_spec(config, fp.context_in_dim, fp.vec_in_dim)
+        )
         return jnp.asarray(t5)[None], jnp.asarray(clip)[None]
     # The toy and mock pipelines drop captions by zeroing txt and y.
     return jnp.zeros_like(txt[:1]), jnp.zeros_like(y[:1])
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from flux_jax import checkpoint, model, toy
+    from flux_jax import checkpoint, model, setup, toy
 
     config = load_config(args.config)
     ckpt = checkpoint.Checkpointer(args.workdir, config)
@@ -215,7 +217,7 @@ def main(argv=None) -> None:
             f"data.source={config.data.source!r} latents need a real decoder: pass --ae (BFL "
             "ae.safetensors or a diffusers vae folder)"
         )
-    fp = checkpoint.flux_params_from_config(config.to_dict())
+    fp = setup.flux_params(config)
     params = checkpoint.read_params(step_dir)
     flux = model.Flux(fp, dtype=jnp.dtype(config.model.dtype), scan_blocks=bool(config.model.scan_blocks))
 
@@ -226,7 +228,7 @@ def main(argv=None) -> None:
     shift = fp.guidance_embed if args.shift == "auto" else args.shift == "on"
     num_steps = args.num_steps or (50 if shift else 4)
     noise = jax.random.normal(jax.random.key(args.seed), (n, seq_len, fp.in_channels), jnp.float32)
-    uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, txt, y)
+    uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, fp, txt, y)
     img_ids = jnp.broadcast_to(jnp.asarray(latents.image_ids(size, size)), (n, seq_len, 3))
     out = denoise(
         flux_apply_fn(flux),

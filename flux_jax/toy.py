@@ -164,13 +164,21 @@ class ToyPipeline:
 
 
 def make_pipeline(
-    config, split: str, process_index: int, process_count: int, *, context_in_dim: int, vec_in_dim: int
+    config,
+    split: str,
+    process_index: int,
+    process_count: int,
+    *,
+    context_in_dim: int,
+    vec_in_dim: int,
+    per_host_batch: int | None = None,
 ) -> ToyPipeline:
-    """Toy pipeline for one host: global_batch_size / process_count samples per batch."""
+    """Toy pipeline for one host: per_host_batch (default global_batch_size / process_count) samples
+    per batch."""
     return ToyPipeline(
         seed=config.seed,
         split=split,
-        batch_size=config.global_batch_size // process_count,
+        batch_size=per_host_batch or config.global_batch_size // process_count,
         image_size=config.data.image_size,
         txt_len=config.data.txt_len,
         context_in_dim=context_in_dim,

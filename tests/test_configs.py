@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from flux_jax import config_check, steps
+from flux_jax import config_check, setup
 
 CONFIGS = ("toy", "flux_535m", "flux_12b")
 
@@ -17,7 +17,7 @@ def test_config_is_valid(name, arg):
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     config_check.validate(config)
     assert (config.fp8 is not None) == (arg == "fp8")
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     assert fp.hidden_size % fp.num_heads == 0
 
 

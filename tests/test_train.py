@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux_jax import metrics, model, optim, train
+from flux_jax import metrics, model, optim, setup, train
 
 
 def _lines(workdir):
@@ -63,10 +63,10 @@ def test_metrics_read_one_step_late_match_every_step_reads(tiny_config, tmp_path
 
 
 def _nan_pipeline(monkeypatch):
-    real = train._pipeline
+    real = setup.make_pipeline
 
-    def pipeline(config, split, fp):
-        it = real(config, split, fp)
+    def pipeline(config, split, *args, **kwargs):
+        it = real(config, split, *args, **kwargs)
         if split != "train":
             return it
 
@@ -79,7 +79,7 @@ def _nan_pipeline(monkeypatch):
 
         return Poisoned()
 
-    monkeypatch.setattr(train, "_pipeline", pipeline)
+    monkeypatch.setattr(setup, "make_pipeline", pipeline)
 
 
 def test_nonfinite_steps_switch_fp8_to_bf16_then_stop(tiny_config, tmp_path, monkeypatch, caplog):
