@@ -134,6 +134,33 @@ def test_invalid_config_names_field(tiny_config, field, value, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+def test_validation_fields_steer_the_loop(tiny_config, tmp_path, monkeypatch):
+    # eval_interval=2 validates after step 2 with eval_iters=3 batches; a target_val_loss above any
+    # loss stops the run there, with a checkpoint, instead of running all 6 steps.
+    drawn = []
+    real = setup.make_pipeline
+
+    def pipeline(config, split, *args, **kwargs):
+        it = real(config, split, *args, **kwargs)
+
+        class Counting:
+            get_state, set_state = it.get_state, it.set_state
+
+            def __next__(self):
+                drawn.append(split)
+                return next(it)
+
+        return Counting()
+
+    monkeypatch.setattr(setup, "make_pipeline", pipeline)
+    config = tiny_config(train_iters=6, eval_interval=2, eval_iters=3, save_interval=0, target_val_loss=100.0)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    assert result["steps"] == 2 and result["val_loss"] <= 100.0
+    assert drawn.count("val") == 1 + 3  # the start-up check, then eval_iters batches
+    assert [x["step"] for x in _lines(str(tmp_path)) if x["split"] == "val"] == [2]
+    assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
+
+
 def test_lr_schedule_and_decay_mask(tiny_config):
     config = tiny_config(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, train_iters=110)
     sched = optim.lr_schedule(config)
