@@ -28,80 +28,60 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
+def aot_config(args):
+    """The flux_12b config at flux-dev (guidance) with this command's depth, mesh, remat and shapes."""
+    from configs import flux_12b
+
+    c = flux_12b.get_config()
+    c.model.preset = "flux-dev"
+    c.model.depth, c.model.depth_single_blocks = args.depth, args.single  # None: the preset's 19 + 38
+    c.model.attention = "xla"  # compiled on the CPU host
+    c.model.scan_blocks = args.scan
+    c.recompute_granularity = None if args.remat == "none" else args.remat
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = args.data, args.fsdp, args.tensor
+    c.data.image_size, c.data.txt_len = args.image_size, args.txt_len
+    c.micro_batch_size = c.global_batch_size = args.batch
+    return c
+
+
 def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else argv)
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
-    import dataclasses
-
     import jax
-    import jax.numpy as jnp
-    import ml_collections
 
-    from flux_jax import sharding
-    from flux_jax.model import PRESETS, Flux
+    from flux_jax import setup
 
-    preset = PRESETS["flux-dev"]
-    flux_params = dataclasses.replace(
-        preset,
-        depth=preset.depth if args.depth is None else args.depth,
-        depth_single_blocks=preset.depth_single_blocks if args.single is None else args.single,
-    )
-    config = ml_collections.ConfigDict(
-        {"mesh": {"data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}}
-    )
-    mesh = sharding.make_mesh(config, jax.devices()[: args.devices])
-    report = aot_step_memory(
-        Flux(
-            flux_params,
-            dtype=jnp.bfloat16,
-            remat=None if args.remat == "none" else args.remat,
-            scan_blocks=args.scan,
-        ),
-        mesh,
-        batch=args.batch,
-        img_len=(args.image_size // 16) ** 2,
-        txt_len=args.txt_len,
-    )
-    print(f"mesh {dict(mesh.shape)}  depth {flux_params.depth}+{flux_params.depth_single_blocks}")
+    run = setup.build(aot_config(args), jax.devices()[: args.devices])
+    report = aot_step_memory(run, batch=args.batch)
+    print(f"mesh {dict(run.mesh.shape)}  depth {run.fp.depth}+{run.fp.depth_single_blocks}")
     for key, value in report.items():
         print(f"  {key:28s} {value / 2**30:10.3f} GiB" if key.endswith("bytes") else f"  {key:28s} {value}")
 
 
-def aot_step_memory(model, mesh, batch, img_len, txt_len):
-    """Lowers and compiles value_and_grad of an MSE loss; returns per-device byte counts."""
+def aot_step_memory(run, batch: int):
+    """Lowers and compiles value_and_grad of an MSE loss at the run's shapes; returns per-device byte
+    counts."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from flux_jax import sharding
+    from flux_jax import setup, sharding
 
-    p = model.params
-    f32 = jnp.float32
-    shapes = {
-        "img": (batch, img_len, p.in_channels),
-        "img_ids": (batch, img_len, 3),
-        "txt": (batch, txt_len, p.context_in_dim),
-        "txt_ids": (batch, txt_len, 3),
-        "timesteps": (batch,),
-        "y": (batch, p.vec_in_dim),
-        "guidance": (batch,),
-    }
-    if not p.guidance_embed:
-        del shapes["guidance"]
+    model, mesh, p = run.net, run.mesh, run.fp
+    img_len, txt_len = run.shapes["img"].shape[1], run.shapes["txt"].shape[1]
     batch_sharding = sharding.batch_sharding(mesh)
-    inputs = {k: jax.ShapeDtypeStruct(s, f32, sharding=batch_sharding) for k, s in shapes.items()}
-    abstract = jax.eval_shape(lambda r, x: model.init(r, **x), jax.random.key(0), inputs)
-    shardings = sharding.param_shardings(abstract, mesh)["params"]
-    params = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        sharding.unbox(abstract)["params"],
-        shardings,
-    )
-    target = jax.ShapeDtypeStruct((batch, img_len, p.out_channels), f32, sharding=batch_sharding)
+    shapes = setup.input_shapes(p, batch, img_len, txt_len)
+    shapes |= {"timesteps": jax.ShapeDtypeStruct((batch,), jnp.float32)}
+    if p.guidance_embed:
+        shapes["guidance"] = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    inputs = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sharding) for k, s in shapes.items()}
+    abstract, shardings = setup.abstract_state(run)
+    params, shardings = abstract["params"], shardings["params"]
+    target = jax.ShapeDtypeStruct((batch, img_len, p.out_channels), jnp.float32, sharding=batch_sharding)
 
     def loss(params, inputs, target):
         out = model.apply({"params": params}, **inputs)

@@ -65,7 +65,8 @@ def write_synthetic(path: Path, records: int, dtype: str, per_shard: int = 64) -
 
 
 def measure(path: str, workers: int, batch: int, batches: int, model_dtype: str) -> float:
-    it = data.make_pipeline(_config(path, workers, model_dtype), "train", 0, 1, per_host_batch=batch)
+    dims = dict(context_in_dim=4096, vec_in_dim=768)  # the FLUX.1 T5 and CLIP widths of the shards
+    it = data.make_pipeline(_config(path, workers, model_dtype), "train", 0, 1, per_host_batch=batch, **dims)
     try:
         next(it)
         start = time.perf_counter()

@@ -46,7 +46,7 @@ import numpy as np
 from benchmarks import trace_summary
 from benchmarks.timing import median_seconds
 from configs import flux_535m
-from flux_jax import doctor, fp8, metrics, optim, sharding, steps
+from flux_jax import doctor, fp8, metrics, setup, sharding, steps
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {
@@ -87,6 +87,7 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     c.recompute_granularity = args.remat
     c.micro_batch_size = batch
     c.global_batch_size = batch * args.micro
+    c.data.image_size, c.data.txt_len = side * 16, txt_len  # the model inputs' shapes (init, FLOPs)
     if recipe != "bf16":
         c.fp8 = args.format
         c.fp8_recipe = recipe
@@ -170,49 +171,29 @@ def memory_breakdown(compiled) -> dict:
     }
 
 
-def train_state(variables, opt_state) -> dict:
-    """The state dict steps.make_train_step takes, from init variables and optimizer state."""
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": variables["params"],
-        "opt_state": opt_state,
-        "fp8_meta": dict(variables.get(fp8.FP8_COLLECTION, {})),
-        "rng": jax.random.key(1),
-    }
-
-
 def jitted_step(config, net, tx, use_fp8):
     """The jitted train step, donating its state, over global_batch_size / micro_batch_size micro batches."""
     num_micro = config.global_batch_size // config.micro_batch_size
     return jax.jit(steps.make_train_step(config, net, tx, num_micro, use_fp8), donate_argnums=0)
 
 
-def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8) -> dict:
-    """Lowers and compiles the step on abstract state (nothing allocated): compile time and memory."""
-
-    def build(rng):
-        variables = sharding.unbox(init_variables(rng))
-        return train_state(variables, tx.init(variables["params"]))
-
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-        jax.eval_shape(build, jax.random.key(0)),
-    )
+def compile_only(run, recipe: str, shape: str, host: dict) -> dict:
+    """Lowers and compiles the step on the abstract state (nothing allocated): compile time and memory."""
+    abstract, _ = setup.abstract_state(run)
+    replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in host.items()}
-    step = jitted_step(config, net, tx, use_fp8)
+    step = jitted_step(run.config, run.net, run.tx, run.use_fp8)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(run.mesh):
         compiled = step.lower(abstract, batch).compile()
-    n_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     return {
         "shape": shape,
         "recipe": recipe,
         "compile_only": True,
-        "depth": net.params.depth,
-        "depth_single_blocks": net.params.depth_single_blocks,
-        "scan_blocks": net.scan_blocks,
-        "params": n_params,
+        "depth": run.fp.depth,
+        "depth_single_blocks": run.fp.depth_single_blocks,
+        "scan_blocks": run.net.scan_blocks,
+        "params": setup.parameter_count(abstract),
         "compile_s": time.perf_counter() - t0,
         **memory_breakdown(compiled),
         **count_gemms(compiled.as_text()),
@@ -221,29 +202,15 @@ def compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use
 
 def run_one(shape: str, recipe: str, args) -> dict:
     config, batch, side, txt_len = bench_config(shape, recipe, args)
-    use_fp8 = config.fp8 is not None
-    fp = steps.flux_params(config)
-    mesh = sharding.make_mesh(config)
-    rules = sharding.rules_from_config(config)
-    net = steps.make_model(config, fp, use_fp8)
+    run = setup.build(config)
+    fp, mesh, use_fp8 = run.fp, run.mesh, run.use_fp8
     host = synthetic_batch(fp, batch * args.micro, side, txt_len, np.random.default_rng(0))
-
-    def init_variables(rng):
-        t = jnp.zeros((1,), jnp.float32)
-        g = t if fp.guidance_embed else None
-        one = {k: jnp.asarray(v[:1]) for k, v in host.items()}
-        return net.init(rng, one["img"], one["img_ids"], one["txt"], one["txt_ids"], t, one["y"], g)
-
-    tx = optim.make_optimizer(config)
     if args.compile_only:
-        return compile_only(config, recipe, shape, net, tx, init_variables, host, mesh, use_fp8)
-    variables, _ = sharding.sharded_init(init_variables, jax.random.key(0), mesh, rules)
-    params = variables["params"]
-    with jax.set_mesh(mesh):
-        opt_state = jax.jit(tx.init)(params)
-    state = train_state(variables, opt_state)
+        return compile_only(run, recipe, shape, host)
+    _, shardings = setup.abstract_state(run)
+    state = setup.init_state(run, jax.random.key(0), jax.random.key(1), shardings)
     batch_dev = jax.device_put(host, sharding.batch_sharding(mesh))
-    step = jitted_step(config, net, tx, use_fp8)
+    step = jitted_step(config, run.net, run.tx, use_fp8)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch_dev).compile()

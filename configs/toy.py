@@ -10,92 +10,36 @@ about 0.05 at step 300 (validation loss about 0.23); 300 steps take 4-7 minutes 
 samples then show the caption's colour as a blob near the caption's position.
 """
 
+import pathlib
+import runpy
+
 import ml_collections
+
+_base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # seeds init, timesteps/noise (folded with the step) and the data order
+    c = _base["base_config"]()
+    c.model.preset = "toy"  # 2 + 4 blocks of width 256
+    c.model.dtype = "float32"  # CPU has slow bf16 matmuls
+    c.model.attention = "xla"  # runs everywhere, CPU included
+    c.fp8_amax_history_len = 16  # a short run: a short history
+    c.fp8_amax_compute_algo = "max"  # over the 16 steps
 
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "toy"  # key of flux_jax.model.PRESETS
-    # None keeps the preset's value; set a number to override it.
-    c.model.depth = ml_collections.config_dict.placeholder(int)  # double-stream blocks
-    c.model.depth_single_blocks = ml_collections.config_dict.placeholder(int)  # single-stream blocks
-    c.model.hidden_size = ml_collections.config_dict.placeholder(int)  # model width
-    c.model.num_heads = ml_collections.config_dict.placeholder(int)  # attention heads
-    c.model.context_in_dim = ml_collections.config_dict.placeholder(int)  # T5 embedding width
-    c.model.vec_in_dim = ml_collections.config_dict.placeholder(int)  # pooled CLIP width
-    c.model.guidance_embed = ml_collections.config_dict.placeholder(bool)  # dev-style guidance input
-    c.model.dtype = "float32"  # compute dtype: "bfloat16" | "float32" (CPU has slow bf16 matmuls)
-    c.model.scan_blocks = False  # nn.scan over equal blocks: faster compiles for deep models
-    c.model.attention = "xla"  # "xla" | "cudnn" (GPU only)
-    c.recompute_granularity = ml_collections.config_dict.placeholder(str)  # remat None | "selective" | "full"
-
-    c.fp8 = ml_collections.config_dict.placeholder(str)  # None = BF16 | "e4m3" | "hybrid" (E5M2 grads)
-    c.fp8_recipe = "delayed"  # "delayed" | "tensorwise" | "rowwise" | "blockwise" | "mxfp8"
-    c.fp8_margin = 0  # scale = max / amax / 2**margin
-    c.fp8_amax_history_len = 16  # delayed scaling amax history length
-    c.fp8_amax_compute_algo = "max"  # "most_recent" | "max" over the history
-    c.fp8_wgrad = True  # False keeps the weight-gradient GEMM in 16 bits
-    c.fp8_dot_product_attention = False  # attention stays BF16 unless set
-    c.fp8_format_family = "auto"  # "auto" (from the platform) | "ocp" | "fnuz"
-    c.fp8_modulation = False  # FP8 also for the per-sample modulation GEMMs (M = batch size)
-    c.fp8_cast_kernel = "auto"  # "auto" (jax-triton cast on one NVIDIA GPU, else xla) | "xla" | "triton"
-    c.fp8_cache_weights = True  # accumulation: cast FP8 kernels once a step, not per micro batch (+2 B/param)
-    c.first_last_layers_bf16 = False  # keep the first/last blocks out of FP8
-    c.num_layers_at_start_in_bf16 = 1  # used when first_last_layers_bf16 (double then single blocks)
-    c.num_layers_at_end_in_bf16 = 1  # used when first_last_layers_bf16
-
-    c.micro_batch_size = 16  # per data-parallel replica per forward/backward
-    c.global_batch_size = 16  # per optimizer step; > micro * dp means gradient accumulation
-    c.train_iters = 300  # optimizer steps
-    c.lr = 1e-3  # peak learning rate
+    c.micro_batch_size = 16  # one micro batch per step on one device
+    c.global_batch_size = 16  # images per step
+    c.train_iters = 300  # 4-7 minutes on 2 CPU cores
+    c.lr = 1e-3  # a small model learns fast
     c.min_lr = 1e-4  # cosine floor
-    c.lr_warmup_iters = 10  # linear warmup from 0
-    c.lr_decay_style = "cosine"  # "constant" | "cosine" (to min_lr at train_iters)
-    c.weight_decay = 0.01  # AdamW decoupled decay, not applied to biases, norm scales, 1-D params
-    c.adam_beta1 = 0.9  # AdamW beta1
-    c.adam_beta2 = 0.999  # AdamW beta2
-    c.adam_eps = 1e-8  # AdamW epsilon
-    c.clip_grad = 1.0  # global-norm gradient clipping (0 disables)
+    c.lr_warmup_iters = 10  # short warmup for a short run
+    c.save_interval = 100  # three checkpoints in a run
+    c.eval_interval = 100  # three validation passes
+    c.eval_iters = 4  # 64 validation images per pass
 
-    c.save_interval = 100  # steps between checkpoints (and one at the end)
-    c.log_interval = 10  # steps between metrics.jsonl / TensorBoard lines
-    c.eval_interval = 100  # steps between validation passes (and one at the end); 0 disables
-    c.eval_iters = 4  # validation batches per pass (each spreads over the 8 timesteps)
-
-    c.timestep_sampling = "logit_normal"  # "uniform" | "logit_normal" | "mode"
-    c.logit_mean = 0.0  # logit_normal mean
-    c.logit_std = 1.0  # logit_normal std
-    c.mode_scale = 1.29  # "mode" sampling scale (SD3)
-    c.timestep_shift = 1.0  # static SD3 shift of training timesteps (1 = none)
-    c.guidance_scale = 1.0  # guidance value fed to guidance-embedding models during training
-
-    c.max_nonfinite_steps = 10  # stop after this many consecutive non-finite steps
-    c.on_nonfinite = "stop"  # "stop" | "bf16" (drop FP8 and carry on)
-    c.target_val_loss = ml_collections.config_dict.placeholder(float)  # stop early once reached
-
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "toy"  # "toy" (built in) | "shards" | "mock" (flux_jax.data)
-    c.data.path = ""  # training shards (source="shards")
-    c.data.val_path = ""  # validation shards (source="shards")
-    c.data.image_size = 128  # pixels; latents are image_size / 8, tokens (image_size / 16) ** 2
-    c.data.txt_len = 8  # text tokens (T5 length)
-    c.data.cfg_dropout_prob = 0.1  # probability of an empty caption during training
-    c.data.num_workers = 0  # loader worker processes (shards)
-    c.data.shuffle = True  # shuffle shards
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel size (-1 = all remaining devices)
-    c.mesh.fsdp = 1  # parameter/optimizer sharding size
-    c.mesh.tensor = 1  # tensor-parallel size
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.max_to_keep = 2  # recent checkpoints kept
-    c.checkpoint.keep_period = ml_collections.config_dict.placeholder(int)  # also keep every N steps
-    c.checkpoint.async_save = True  # write checkpoints in the background
-    c.init_from = ""  # converted weights to start from (empty = random init)
+    c.data.source = "toy"  # built-in coloured shapes (flux_jax.toy)
+    c.data.image_size = 128  # 64 image tokens
+    c.data.txt_len = 8  # captions have three words
+    c.data.num_workers = 0  # toy batches are drawn in process
 
     if arg == "fp8":
         c.fp8 = "e4m3"

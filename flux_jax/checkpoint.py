@@ -322,27 +322,12 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
     return _place(params, abstract_params)
 
 
-def flux_params_from_config(cfg: dict):
-    """FluxParams from a saved config JSON: the preset plus the model fields that are not None."""
-    import dataclasses
-
-    from flux_jax import model
-
-    m = cfg["model"]
-    base = model.PRESETS[m["preset"]]
-    names = {f.name for f in dataclasses.fields(base)}
-    overrides = {k: v for k, v in m.items() if k in names and v is not None}
-    if "axes_dim" in overrides:
-        overrides["axes_dim"] = tuple(overrides["axes_dim"])
-    return dataclasses.replace(base, **overrides)
-
-
 def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") -> epath.Path:
     """Writes a checkpoint's params as a BFL-layout .safetensors file; returns the file."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from flux_jax import convert
+    from flux_jax import convert, setup
 
     root = epath.Path(workdir) / "checkpoints"
     steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
@@ -353,7 +338,7 @@ def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") ->
     step_dir = root / str(step if step is not None else max(steps))
     cfg = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / _CONFIG)
     params = read_params(step_dir)
-    tensors = convert.export_bfl_state_dict({"params": params}, flux_params_from_config(cfg))
+    tensors = convert.export_bfl_state_dict({"params": params}, setup.flux_params(cfg))
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
     save_file(
         {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(np_dtype)) for k, v in tensors.items()},

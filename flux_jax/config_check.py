@@ -1,8 +1,9 @@
 """Config validation: every invalid field of a run config in one ValueError, before anything compiles.
 
-Each message names the field (dotted, as on the command line: ``--config.data.image_size=...``),
-the value given and what is allowed; FP8 fields are checked against the platform by
-``fp8.validate_config``.
+The one validation entry for a run config: each message names the field (dotted, as on the command
+line: ``--config.data.image_size=...``), the value given and what is allowed. FP8 fields are checked
+against the device by ``fp8.config_problems`` and the logical-axis rules by ``sharding.parse_rules``;
+their problems join the same error.
 """
 
 from flux_jax import flow, fp8, model, optim, sharding
@@ -54,7 +55,7 @@ def validate(
             "use --config.model.attention=xla"
         )
     for field, choices in _CHOICES.items():
-        if _get(config, field) not in choices:
+        if field != "fp8" and _get(config, field) not in choices:  # fp8: fp8.config_problems
             bad.append(f"{field}={_get(config, field)!r} must be one of {choices}")
     if config.model.preset not in model.PRESETS:
         bad.append(f"model.preset={config.model.preset!r} must be one of {sorted(model.PRESETS)}")
@@ -78,10 +79,11 @@ def validate(
         bad.append(f"data.image_size={config.data.image_size} must be a multiple of 16")
     if not 0.0 <= config.data.cfg_dropout_prob <= 1.0:
         bad.append(f"data.cfg_dropout_prob={config.data.cfg_dropout_prob} must be in [0, 1]")
-    if config.fp8 is not None and int(config.fp8_amax_history_len) < 1:
-        bad.append(f"fp8_amax_history_len={config.fp8_amax_history_len} must be >= 1 (e.g. 1024)")
-    if config.fp8 is not None and config.fp8_recipe not in fp8.RECIPES:
-        bad.append(f"fp8_recipe={config.fp8_recipe!r} must be one of {fp8.RECIPES}")
+    bad += [problem.removeprefix("config.") for problem in fp8.config_problems(config)]
+    try:
+        sharding.parse_rules(config.get("logical_axis_rules", "") or "")
+    except ValueError as err:
+        bad.append(str(err))
     if num_devices is not None:
         try:
             dp = data_parallel_size(config, num_devices)
@@ -102,7 +104,6 @@ def validate(
             )
     if bad:
         raise UserError("Invalid config: " + "; ".join(bad) + ".")
-    fp8.validate_config(config)
 
 
 def data_parallel_size(config, num_devices: int) -> int:

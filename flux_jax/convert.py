@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flux_jax import cli
+from flux_jax import cli, setup
 from flux_jax.model import PRESETS, Flux, FluxParams, block_segments
 
 _PREFIX = "model.diffusion_model."
@@ -112,7 +112,7 @@ def _flax_name(part: str) -> str:
 
 def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
     """BFL key -> torch shape for an unscanned Flux(params), from an abstract init."""
-    shapes = jax.eval_shape(lambda: nn.unbox(_init(params)))["params"]
+    shapes = nn.unbox(setup.abstract_variables(Flux(params, dtype=jnp.float32)))["params"]
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         names = [_flax_name(k.key) for k in path]
@@ -121,20 +121,6 @@ def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
             leaf_name, shape = "weight", shape[::-1]
         out[".".join(names[:-1] + [leaf_name])] = shape
     return out
-
-
-def _init(params: FluxParams):
-    b, length, t = 1, 1, 1
-    args = (
-        jnp.zeros((b, length, params.in_channels)),
-        jnp.zeros((b, length, len(params.axes_dim))),
-        jnp.zeros((b, t, params.context_in_dim)),
-        jnp.zeros((b, t, len(params.axes_dim))),
-        jnp.zeros((b,)),
-        jnp.zeros((b, params.vec_in_dim)),
-        jnp.zeros((b,)) if params.guidance_embed else None,
-    )
-    return Flux(params, dtype=jnp.float32).init(jax.random.key(0), *args)
 
 
 def _set(tree: dict, path: list[str], value):

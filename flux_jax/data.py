@@ -13,12 +13,10 @@ import dataclasses
 import grain
 import numpy as np
 
-from flux_jax import shards
+from flux_jax import latents, shards
 
 VAE_SCALE = 0.3611
 VAE_SHIFT = 0.1159
-LATENT_CHANNELS = 16
-NUM_VAL_TIMESTEPS = 8
 _SPLIT_IDS = {"train": 0, "val": 1}
 
 
@@ -31,21 +29,6 @@ def resample_latent(mean: np.ndarray, logvar: np.ndarray, rng: np.random.Generat
     mean = mean.astype(np.float32)
     eps = rng.standard_normal(mean.shape, dtype=np.float32)
     return mean + np.exp(0.5 * logvar.astype(np.float32)) * eps
-
-
-def pack_latent(z: np.ndarray) -> np.ndarray:
-    """(c, h, w) -> (h/2 * w/2, c*4): BFL's "c (h ph) (w pw) -> (h w) (c ph pw)"."""
-    c, h, w = z.shape
-    z = z.reshape(c, h // 2, 2, w // 2, 2).transpose(1, 3, 0, 2, 4)
-    return z.reshape((h // 2) * (w // 2), c * 4)
-
-
-def image_ids(h: int, w: int) -> np.ndarray:
-    """(h/2 * w/2, 3) positions of packed tokens: axis 0 = 0, axis 1 = row, axis 2 = col."""
-    ids = np.zeros((h // 2, w // 2, 3), np.float32)
-    ids[..., 1] = np.arange(h // 2)[:, None]
-    ids[..., 2] = np.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3)
 
 
 def record_rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -79,14 +62,14 @@ class RecordTransform:
             txt, y = self.empty_t5, self.empty_clip
         _, h, w = z.shape
         out = {
-            "img": pack_latent(scale_latent(z)),
-            "img_ids": image_ids(h, w),
+            "img": latents.pack(scale_latent(z)),
+            "img_ids": latents.image_ids(h, w),
             "txt": np.asarray(txt, shards.np_dtype(self.txt_dtype)),
             "txt_ids": np.zeros((txt.shape[0], 3), np.float32),
             "y": np.asarray(y, np.float32),
         }
         if self.split == "val":
-            out["timestep"] = np.int32(rec.get("timestep", index % NUM_VAL_TIMESTEPS))
+            out["timestep"] = np.int32(rec.get("timestep", index % latents.NUM_VAL_TIMESTEPS))
         return out
 
 
@@ -124,26 +107,13 @@ class MockSource:
         return {"id": f"mock-{index}", **self._pool[index % self.pool_size]}
 
 
-def _model_dims(config, context_in_dim, vec_in_dim) -> tuple[int, int]:
-    ctx = context_in_dim or config.model.get("context_in_dim")
-    vec = vec_in_dim or config.model.get("vec_in_dim")
-    if ctx is None or vec is None:
-        try:
-            from flux_jax import model
-
-            preset = model.PRESETS[config.model.preset]
-            ctx, vec = ctx or preset.context_in_dim, vec or preset.vec_in_dim
-        except (ImportError, KeyError, AttributeError):
-            ctx, vec = ctx or 4096, vec or 768
-    return int(ctx), int(vec)
-
-
-def record_spec(config, context_in_dim=None, vec_in_dim=None) -> shards.RecordSpec:
+def record_spec(config, context_in_dim: int, vec_in_dim: int) -> shards.RecordSpec:
+    """The stored record shapes for config.data and the model's text / pooled widths."""
     size = int(config.data.image_size)
     if size % 16:
         raise ValueError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
-    ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
-    return shards.RecordSpec((LATENT_CHANNELS, size // 8, size // 8), int(config.data.txt_len), ctx, vec)
+    latent_shape = (latents.LATENT_CHANNELS, size // 8, size // 8)
+    return shards.RecordSpec(latent_shape, int(config.data.txt_len), int(context_in_dim), int(vec_in_dim))
 
 
 def _default_host_batch(config, process_count: int) -> int:
@@ -203,34 +173,27 @@ def build_dataset(
 
 def make_pipeline(
     config,
-    split: str = "train",
-    process_index: int | None = None,
-    process_count: int | None = None,
+    split: str,
+    process_index: int,
+    process_count: int,
     *,
+    context_in_dim: int,
+    vec_in_dim: int,
     per_host_batch: int | None = None,
-    context_in_dim: int | None = None,
-    vec_in_dim: int | None = None,
     mock_records: int = 4096,
 ):
-    """Iterator of per-host batches for config.data.source in {"shards", "mock", "toy"}.
+    """Iterator of per-host batches for config.data.source "shards" or "mock" (``setup.make_pipeline``
+    dispatches every source, toy included, with the model's text / pooled widths).
 
     per_host_batch: samples this host yields per call (micro_batch_size x this host's
     data-parallel share); defaults to global_batch_size / process_count.
     """
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index, process_count = jax.process_index(), jax.process_count()
     source_name = config.data.source
-    if source_name == "toy":
-        from flux_jax import toy
-
-        ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
-        return toy.make_pipeline(
-            config, split, process_index, process_count, context_in_dim=ctx, vec_in_dim=vec
-        )
     if source_name not in ("shards", "mock"):
-        raise ValueError(f"data.source={source_name!r} must be one of 'toy', 'shards', 'mock'")
+        raise ValueError(
+            f"data.source={source_name!r}: the grain pipeline reads 'shards' or 'mock' ('toy' is "
+            "flux_jax.toy); pick one of 'toy', 'shards', 'mock'"
+        )
     batch = per_host_batch or _default_host_batch(config, process_count)
     spec = record_spec(config, context_in_dim, vec_in_dim)
     cfg_p = float(config.data.cfg_dropout_prob)

@@ -10,8 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from flux_jax import latents
+
 TIMESTEP_METHODS = ("uniform", "logit_normal", "mode")
-NUM_VAL_TIMESTEPS = 8
 
 
 def shift_timesteps(t: jax.Array, shift: float) -> jax.Array:
@@ -68,7 +69,7 @@ def loss(pred: jax.Array, target: jax.Array) -> jax.Array:
 
 def validation_timesteps(index: jax.Array) -> jax.Array:
     """MLPerf's fixed validation timesteps: index k in 0..7 maps to t = k / 8."""
-    return index.astype(jnp.float32) / NUM_VAL_TIMESTEPS
+    return index.astype(jnp.float32) / latents.NUM_VAL_TIMESTEPS
 
 
 def validation_loss(
@@ -88,7 +89,7 @@ def validation_loss(
 
 def accumulate_by_timestep(losses: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-sample losses (B,) and timestep indices (B,) -> (8,) sums and (8,) counts."""
-    one_hot = jax.nn.one_hot(index, NUM_VAL_TIMESTEPS, dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(index, latents.NUM_VAL_TIMESTEPS, dtype=jnp.float32)
     return one_hot.T @ losses.astype(jnp.float32), one_hot.sum(axis=0)
 
 

@@ -1,4 +1,4 @@
-"""Euler sampling with the FLUX schedule, latent unpacking, and PNG export.
+"""Euler sampling with the FLUX schedule and PNG export.
 
 CLI: python -m flux_jax.sample --workdir W --config configs/toy.py --num_steps N --out DIR
 restores the newest checkpoint's params, samples toy captions (or the first validation batch of
@@ -19,22 +19,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flux_jax import cli, flow
+from flux_jax import cli, flow, latents
 
 
 def get_schedule(num_steps: int, image_seq_len: int, shift: bool) -> jax.Array:
     """num_steps + 1 timesteps from 1 to 0; shifted by sequence length for dev-style models."""
     return flow.get_schedule(num_steps, image_seq_len, shift=shift)
-
-
-def unpack(x: jax.Array, height: int, width: int) -> jax.Array:
-    """Inverse of BFL's pack "b c (h ph) (w pw) -> b (h w) (c ph pw)": (B, L, 4c) -> (B, c, H, W)."""
-    b, seq, feat = x.shape
-    if seq != (height // 2) * (width // 2) or feat % 4:
-        raise ValueError(f"cannot unpack {x.shape} into a {height}x{width} latent with 2x2 patches")
-    c = feat // 4
-    x = x.reshape(b, height // 2, width // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, height, width)
 
 
 # apply_fn(variables, img, img_ids, txt, txt_ids, timesteps (B,), y, guidance (B,) | None) -> velocity
@@ -164,19 +154,21 @@ def _conditioning(config, fp, num_images: int, prompts: list[str] | None):
         raise ValueError(
             "--prompt only works with data.source='toy'; real prompts need stored T5/CLIP encodings"
         )
-    from flux_jax import data
+    from flux_jax import setup
 
-    batch = next(iter(data.make_pipeline(config, "val", 0, 1, per_host_batch=num_images)))
+    batch = next(iter(setup.make_pipeline(config, "val", 0, 1, fp=fp, per_host_batch=num_images)))
     names = [f"val[{i}]" for i in range(num_images)]
     return names, np.asarray(batch["txt"]), np.asarray(batch["y"]), size
 
 
-def _empty_caption(config, txt, y):
+def _empty_caption(config, fp, txt, y):
     """The encodings training swapped in for dropped captions: stored ones for shards, else zeros."""
     if config.data.source == "shards":
         from flux_jax import data, shards
 
-        t5, clip = shards.read_empty_encodings(config.data.path, data.record_spec(config))
+        t5, clip = shards.read_empty_encodings(
+            config.data.path, data.record_spec(config, fp.context_in_dim, fp.vec_in_dim)
+        )
         return jnp.asarray(t5)[None], jnp.asarray(clip)[None]
     # The toy and mock pipelines drop captions by zeroing txt and y.
     return jnp.zeros_like(txt[:1]), jnp.zeros_like(y[:1])
@@ -202,7 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from flux_jax import checkpoint, model, toy
+    from flux_jax import checkpoint, model, setup, toy
 
     config = load_config(args.config)
     ckpt = checkpoint.Checkpointer(args.workdir, config)
@@ -225,7 +217,7 @@ def main(argv=None) -> None:
             f"data.source={config.data.source!r} latents need a real decoder: pass --ae (BFL "
             "ae.safetensors or a diffusers vae folder)"
         )
-    fp = checkpoint.flux_params_from_config(config.to_dict())
+    fp = setup.flux_params(config)
     params = checkpoint.read_params(step_dir)
     flux = model.Flux(fp, dtype=jnp.dtype(config.model.dtype), scan_blocks=bool(config.model.scan_blocks))
 
@@ -236,8 +228,8 @@ def main(argv=None) -> None:
     shift = fp.guidance_embed if args.shift == "auto" else args.shift == "on"
     num_steps = args.num_steps or (50 if shift else 4)
     noise = jax.random.normal(jax.random.key(args.seed), (n, seq_len, fp.in_channels), jnp.float32)
-    uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, txt, y)
-    img_ids = jnp.broadcast_to(jnp.asarray(toy.img_ids(size, size)), (n, seq_len, 3))
+    uncond = None if args.cfg_scale == 1.0 else _empty_caption(config, fp, txt, y)
+    img_ids = jnp.broadcast_to(jnp.asarray(latents.image_ids(size, size)), (n, seq_len, 3))
     out = denoise(
         flux_apply_fn(flux),
         {"params": params},
@@ -251,14 +243,14 @@ def main(argv=None) -> None:
         uncond,
         args.cfg_scale,
     )
-    latents = np.asarray(unpack(out, size, size))
+    unpacked = np.asarray(latents.unpack(out, size, size))
     if args.ae:
         from flux_jax import autoencoder
 
         ae_params, ae_vars = autoencoder.load_autoencoder(args.ae)
-        images = (np.asarray(autoencoder.decode_nchw(ae_vars, latents, ae_params)) + 1.0) / 2.0
+        images = (np.asarray(autoencoder.decode_nchw(ae_vars, unpacked, ae_params)) + 1.0) / 2.0
     else:
-        images = toy.decode(latents)
+        images = toy.decode(unpacked)
     paths = write_images(args.out, images, prompts)
     print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
 

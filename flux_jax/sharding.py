@@ -127,12 +127,36 @@ def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(device_array, MESH_AXES)
 
 
+def parse_rules(text: str) -> Rules:
+    """``config.logical_axis_rules`` text -> rules: "name=axis,name=axis+axis,name=none".
+
+    ``+`` joins several mesh axes for one dimension; ``none`` (or nothing after ``=``) replicates it.
+    Raises one ValueError naming every bad entry.
+    """
+    known = {name for name, _ in DEFAULT_RULES}
+    rules, bad = [], []
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        name, eq, value = (x.strip() for x in item.partition("="))
+        axes = tuple(a.strip() for a in value.split("+")) if value.lower() not in ("", "none") else None
+        if not eq or name not in known:
+            bad.append(f"{item!r} (the name must be one of {sorted(known)}, as name=axis)")
+        elif axes is not None and not set(axes) <= set(MESH_AXES):
+            bad.append(f"{item!r} (mesh axes are {'/'.join(MESH_AXES)}, joined with '+', or none)")
+        else:
+            rules.append((name, None if axes is None else axes[0] if len(axes) == 1 else axes))
+    if bad:
+        raise ValueError(
+            f"logical_axis_rules={text!r}: bad entries {', '.join(bad)}; e.g. "
+            "--config.logical_axis_rules='embed=none,act_batch=data+fsdp'"
+        )
+    return tuple(rules)
+
+
 def rules_from_config(config: Any) -> Rules:
-    """``config.logical_axis_rules`` when the config has one, else DEFAULT_RULES."""
-    rules = config.get("logical_axis_rules", None) if hasattr(config, "get") else None
-    if rules is None:
-        return DEFAULT_RULES
-    return tuple((str(name), None if axes is None else axes) for name, axes in rules)
+    """``config.logical_axis_rules`` before DEFAULT_RULES, whose rules for the names it binds drop out."""
+    given = parse_rules(config.get("logical_axis_rules", "") or "")
+    bound = {name for name, _ in given}
+    return given + tuple(rule for rule in DEFAULT_RULES if rule[0] not in bound)
 
 
 def _axis_size(mesh: Mesh, axes: str | tuple[str, ...]) -> int:

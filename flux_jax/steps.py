@@ -5,24 +5,11 @@ fp8_meta is its new value (the FP8 dot returns its updated scaling state as the 
 params go through clipping and AdamW.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from flux_jax import flow, fp8, model
-
-
-def flux_params(config) -> model.FluxParams:
-    """The preset with every non-None config.model override applied."""
-    overrides = {
-        k: config.model[k]
-        for k in ("depth", "depth_single_blocks", "hidden_size", "num_heads", "context_in_dim", "vec_in_dim")
-        + ("guidance_embed",)
-        if config.model.get(k) is not None
-    }
-    return dataclasses.replace(model.PRESETS[config.model.preset], **overrides)
 
 
 def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:

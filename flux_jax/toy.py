@@ -13,6 +13,8 @@ import zlib
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
+from flux_jax import latents
+
 COLOURS = {
     "red": (1.0, 0.1, 0.1),
     "green": (0.1, 0.9, 0.2),
@@ -29,8 +31,6 @@ POSITIONS = {
     "center": (0.5, 0.5),
 }
 CAPTIONS = tuple(" ".join(c) for c in itertools.product(COLOURS, SHAPES, POSITIONS))
-LATENT_CHANNELS = 16
-NUM_VAL_TIMESTEPS = 8
 # Latent magnitude chosen so the packed latents have roughly unit scale, like VAE latents after
 # BFL's (z - shift) * scale.
 LATENT_GAIN = 5.0
@@ -48,7 +48,7 @@ def word_vector(word: str, dim: int, salt: str = "txt") -> np.ndarray:
 
 def colour_basis() -> np.ndarray:
     """(16, 3) matrix with orthonormal columns mapping RGB to latent channels."""
-    q, _ = np.linalg.qr(np.random.default_rng(1234).standard_normal((LATENT_CHANNELS, 3)))
+    q, _ = np.linalg.qr(np.random.default_rng(1234).standard_normal((latents.LATENT_CHANNELS, 3)))
     return q.astype(np.float32)
 
 
@@ -90,29 +90,6 @@ def embed_caption(caption: str, txt_len: int, context_in_dim: int, vec_in_dim: i
     return txt, y.astype(np.float32)
 
 
-def pack(latent: np.ndarray) -> np.ndarray:
-    """BFL packing "b c (h ph) (w pw) -> b (h w) (c ph pw)" with 2x2 patches."""
-    b, c, h, w = latent.shape
-    x = latent.reshape(b, c, h // 2, 2, w // 2, 2).transpose(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(x: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Inverse of pack: (B, L, 64) -> (B, 16, height, width) latents."""
-    b = x.shape[0]
-    c = x.shape[2] // 4
-    x = x.reshape(b, height // 2, width // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, height, width)
-
-
-def img_ids(height: int, width: int) -> np.ndarray:
-    """(L, 3) position ids for a packed (height, width) latent: axis 0 = 0, axis 1 row, axis 2 col."""
-    ids = np.zeros((height // 2, width // 2, 3), np.float32)
-    ids[..., 1] = np.arange(height // 2)[:, None]
-    ids[..., 2] = np.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
 class ToyPipeline:
     """Infinite iterator of packed toy batches; deterministic in (seed, split, step, process).
 
@@ -145,7 +122,7 @@ class ToyPipeline:
         self.txt_dtype = np.dtype(txt_dtype)  # the model's compute dtype, as data.RecordTransform
         self.step = 0
         self._captions = {c: embed_caption(c, txt_len, context_in_dim, vec_in_dim) for c in CAPTIONS}
-        self._img_ids = img_ids(self.latent_size, self.latent_size)
+        self._img_ids = latents.image_ids(self.latent_size, self.latent_size)
 
     def get_state(self) -> dict:
         return {"step": self.step}
@@ -166,11 +143,11 @@ class ToyPipeline:
         self.step += 1
         b = self.batch_size
         names = [CAPTIONS[i] for i in rng.integers(0, len(CAPTIONS), b)]
-        latents = np.stack([draw_latent(n, self.latent_size, rng) for n in names])
+        drawn = np.stack([draw_latent(n, self.latent_size, rng) for n in names])
         txt = np.stack([self._captions[n][0] for n in names])
         y = np.stack([self._captions[n][1] for n in names])
         batch = {
-            "img": pack(latents),
+            "img": latents.pack(drawn),
             "img_ids": np.broadcast_to(self._img_ids, (b,) + self._img_ids.shape).copy(),
             "txt": txt,
             "txt_ids": np.zeros((b, self.txt_len, 3), np.float32),
@@ -182,18 +159,26 @@ class ToyPipeline:
             batch["y"] = batch["y"] * keep[:, None]
         batch["txt"] = batch["txt"].astype(self.txt_dtype)
         if self.split == "val":
-            batch["timestep"] = (np.arange(b) % NUM_VAL_TIMESTEPS).astype(np.int32)
+            batch["timestep"] = (np.arange(b) % latents.NUM_VAL_TIMESTEPS).astype(np.int32)
         return batch
 
 
 def make_pipeline(
-    config, split: str, process_index: int, process_count: int, *, context_in_dim: int, vec_in_dim: int
+    config,
+    split: str,
+    process_index: int,
+    process_count: int,
+    *,
+    context_in_dim: int,
+    vec_in_dim: int,
+    per_host_batch: int | None = None,
 ) -> ToyPipeline:
-    """Toy pipeline for one host: global_batch_size / process_count samples per batch."""
+    """Toy pipeline for one host: per_host_batch (default global_batch_size / process_count) samples
+    per batch."""
     return ToyPipeline(
         seed=config.seed,
         split=split,
-        batch_size=config.global_batch_size // process_count,
+        batch_size=per_host_batch or config.global_batch_size // process_count,
         image_size=config.data.image_size,
         txt_len=config.data.txt_len,
         context_in_dim=context_in_dim,

@@ -13,7 +13,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
@@ -27,9 +26,9 @@ from flux_jax import (
     flow,
     fp8,
     metrics,
-    model,
     optim,
     preemption,
+    setup,
     sharding,
     steps,
 )
@@ -40,17 +39,6 @@ _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
     "fp8_wgrad=False, first_last_layers_bf16=True, a lower lr or on_nonfinite='bf16'"
 )
-
-
-def _pipeline(config, split: str, fp: model.FluxParams):
-    kwargs = dict(context_in_dim=fp.context_in_dim, vec_in_dim=fp.vec_in_dim)
-    if config.data.source == "toy":
-        from flux_jax import toy
-
-        return toy.make_pipeline(config, split, jax.process_index(), jax.process_count(), **kwargs)
-    from flux_jax import data
-
-    return data.make_pipeline(config, split, jax.process_index(), jax.process_count(), **kwargs)
 
 
 def _train_values(m, losses, steps_s: float, batch: int, flops: float, use_fp8: bool) -> dict[str, float]:
@@ -78,72 +66,43 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     """
     # ---- Config -------------------------------------------------------------------------------
     config_check.validate(config, jax.device_count(), jax.process_count(), fp8.describe_device().platform)
-    fp = steps.flux_params(config)
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
 
-    # ---- Mesh ---------------------------------------------------------------------------------
-    mesh = sharding.make_mesh(config)
-    rules = sharding.rules_from_config(config)
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    num_micro = config.global_batch_size // (config.micro_batch_size * dp)
-
-    # ---- Data ---------------------------------------------------------------------------------
-    train_iter = _pipeline(config, "train", fp)
-    sample = next(_pipeline(config, "val", fp))
-    img_len, txt_len = sample["img"].shape[1], sample["txt"].shape[1]
-
-    # ---- Model and FP8 state ------------------------------------------------------------------
-    use_fp8 = config.fp8 is not None
-    net = steps.make_model(config, fp, use_fp8)
-    dummy = {k: jnp.zeros((1,) + v.shape[1:], jnp.float32) for k, v in sample.items() if k != "timestep"}
-
-    def init_variables(rng):
-        t = jnp.zeros((1,), jnp.float32)
-        g = t if fp.guidance_embed else None
-        args = (dummy["img"], dummy["img_ids"], dummy["txt"], dummy["txt_ids"], t, dummy["y"], g)
-        return net.init(rng, *args)
-
-    root = jax.random.key(config.seed)
-    init_rng, step_rng, eval_rng = jax.random.split(root, 3)
-    variables, _ = sharding.sharded_init(init_variables, init_rng, mesh, rules)
-    params, fp8_meta = variables["params"], dict(variables.get(fp8.FP8_COLLECTION, {}))
-    if config.init_from:
-        params = checkpoint.load_init_from(config.init_from, fp, params, scan_blocks=config.model.scan_blocks)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-
-    # ---- Optimizer and state ------------------------------------------------------------------
-    tx = optim.make_optimizer(config)
+    # ---- Mesh, model (+ FP8 policy), optimizer: flux_jax.setup --------------------------------
+    run = setup.build(config)
+    fp, mesh, rules, use_fp8 = run.fp, run.mesh, run.rules, run.use_fp8
     schedule = optim.lr_schedule(config)
-    with jax.set_mesh(mesh):
-        opt_state = jax.jit(tx.init)(params)
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
-    state |= {"fp8_meta": fp8_meta, "rng": step_rng}
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    # Scalars (step, rng, optimizer counts) start on one device; every leaf must live on the mesh.
-    state_shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated, state
-    )
-    state = jax.device_put(state, state_shardings)
     batch_sh = sharding.batch_sharding(mesh)
 
-    # ---- Checkpoint ---------------------------------------------------------------------------
+    # ---- Data ---------------------------------------------------------------------------------
+    train_iter = setup.make_pipeline(config, "train", fp=fp)
+    if config.eval_interval:
+        next(setup.make_pipeline(config, "val", fp=fp))  # a bad validation set fails before compiling
+
+    # ---- State: the newest checkpoint, else a sharded init ------------------------------------
+    abstract, state_shardings = setup.abstract_state(run)
+    n_params = setup.parameter_count(abstract)
+    init_rng, step_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
     ckpt = checkpoint.Checkpointer(workdir, config)
     start = ckpt.latest_step()
-    if start is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fp8_meta)
+    if start is None:
+        state = setup.init_state(run, init_rng, step_rng, state_shardings)
+    else:
+        fresh = setup.fresh_fp8_meta(run, state_shardings)
+        state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fresh)
         train_iter.set_state(data_state)
         log.info("Resumed from step %d", start)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):
-        step_net = steps.make_model(config, fp, fp8_on)
+        step_net = run.model_for(fp8_on)
         train = jax.jit(
-            steps.make_train_step(config, step_net, tx, num_micro, fp8_on),
+            steps.make_train_step(config, step_net, run.tx, run.num_micro, fp8_on),
             in_shardings=(state_shardings, batch_sh),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
@@ -152,12 +111,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         return train, evaluate
 
     train_step, eval_step = compile_steps(use_fp8)
-    flops = metrics.train_flops_per_sample(fp, img_len, txt_len)
+    flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])
     writer = metrics.MetricWriter(workdir, enabled=is_main)
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
-        val_iter = _pipeline(config, "val", fp)
+        val_iter = setup.make_pipeline(config, "val", fp=fp)
         for i in range(config.eval_iters):
             batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
             s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))

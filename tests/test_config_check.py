@@ -78,3 +78,15 @@ def test_none_string_from_the_command_line_means_none():
     assert c.fp8 is None and c.recompute_granularity is None
     c.fp8 = "hybrid"
     assert config_check.none_from_command_line(c).fp8 == "hybrid"
+
+
+def test_fp8_and_rule_problems_join_the_one_error():
+    c = toy_config.get_config("fp8")
+    c.fp8_recipe, c.fp8_margin, c.logical_axis_rules, c.lr = "blockwise", -1, "embd=fsdp", 0.0
+    with pytest.raises(ValueError) as err:
+        config_check.validate(c)
+    message = str(err.value)
+    assert message.startswith("Invalid config: ")
+    for expected in ("fp8_recipe='blockwise' is not implemented", "fp8_margin=-1", "'embd=fsdp'", "lr=0.0"):
+        assert expected in message
+    assert "config.fp8" not in message  # fields named as on the command line, after --config.

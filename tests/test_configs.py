@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from flux_jax import config_check, steps
+from flux_jax import config_check, setup
 
 CONFIGS = ("toy", "flux_535m", "flux_12b")
 
@@ -17,7 +17,7 @@ def test_config_is_valid(name, arg):
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     config_check.validate(config)
     assert (config.fp8 is not None) == (arg == "fp8")
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     assert fp.hidden_size % fp.num_heads == 0
 
 
@@ -27,7 +27,7 @@ def test_unknown_arg_names_file(name):
         importlib.import_module(f"configs.{name}").get_config("fp4")
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", ("base",) + CONFIGS)
 def test_every_field_commented(name):
     with open(f"configs/{name}.py") as f:
         fields = [line for line in f if re.match(r"    c\.[\w.]+ = ", line) and "ConfigDict()" not in line]
@@ -95,3 +95,21 @@ def test_fp8_none_on_the_command_line_turns_fp8_off(tmp_path):
     run = _train_cli("configs/toy.py:fp8", tmp_path, *overrides)
     assert "Invalid config: train_iters=0 must be >= 1." in run.stderr
     assert "fp8" not in run.stderr.split("Invalid config:")[1]
+
+
+def test_rules_and_blockwise_from_the_command_line_reach_the_config_check(tmp_path):
+    # logical_axis_rules is a declared string field; blockwise is refused by name. train_iters=0 makes
+    # the run stop at the config check whatever else passes.
+    overrides = (
+        "--config.logical_axis_rules=embd=fsdp",
+        "--config.fp8_recipe=blockwise",
+        "--config.train_iters=0",
+    )
+    run = _train_cli("configs/toy.py:fp8", tmp_path, *overrides)
+    assert "Flags parsing error" not in run.stderr
+    for expected in (
+        "logical_axis_rules='embd=fsdp'",
+        "fp8_recipe='blockwise' is not implemented",
+        "train_iters=0",
+    ):
+        assert expected in run.stderr

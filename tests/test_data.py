@@ -30,6 +30,11 @@ def _config(path="", source="shards", **data_overrides):
     return c
 
 
+def _pipeline(config, split, process_index, process_count, **kwargs):
+    dims = dict(context_in_dim=config.model.context_in_dim, vec_in_dim=config.model.vec_in_dim)
+    return data.make_pipeline(config, split, process_index, process_count, **dims, **kwargs)
+
+
 def _write_dataset(tmp_path, n=12, with_timestep=False):
     rng = np.random.default_rng(0)
     samples = []
@@ -55,19 +60,6 @@ def _record_ids(batch):
     return np.round(batch["img"][:, 0, 0] / data.VAE_SCALE + data.VAE_SHIFT).astype(int)
 
 
-def test_pack_matches_bfl_rearrange_and_ids():
-    z = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6)
-    packed = data.pack_latent(z)
-    assert packed.shape == (6, 8)
-    for h in range(2):
-        for w in range(3):
-            expected = [z[c, 2 * h + ph, 2 * w + pw] for c in range(2) for ph in range(2) for pw in range(2)]
-            np.testing.assert_array_equal(packed[h * 3 + w], expected)
-    ids = data.image_ids(4, 6)
-    np.testing.assert_array_equal(ids[4], [0.0, 1.0, 1.0])
-    assert ids.shape == (6, 3) and np.all(ids[:, 0] == 0)
-
-
 def test_resample_statistics():
     rng = np.random.default_rng(0)
     mean = np.full((16, 64, 64), 2.0, np.float32)
@@ -81,10 +73,10 @@ def test_txt_leaves_in_the_model_compute_dtype(tmp_path):
     import jax.numpy as jnp
 
     path = _write_dataset(tmp_path)
-    f32 = next(data.make_pipeline(_config(path), "train", 0, 1, per_host_batch=4))
+    f32 = next(_pipeline(_config(path), "train", 0, 1, per_host_batch=4))
     config = _config(path)
     config.model.dtype = "bfloat16"
-    b16 = next(data.make_pipeline(config, "train", 0, 1, per_host_batch=4))
+    b16 = next(_pipeline(config, "train", 0, 1, per_host_batch=4))
     assert f32["txt"].dtype == np.float32 and b16["txt"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(b16["txt"], np.asarray(jnp.asarray(f32["txt"]).astype(jnp.bfloat16)))
     for key in ("img", "img_ids", "txt_ids", "y"):
@@ -93,7 +85,7 @@ def test_txt_leaves_in_the_model_compute_dtype(tmp_path):
 
 
 def test_batch_contract_and_order_covers_epoch(tmp_path):
-    it = data.make_pipeline(_config(_write_dataset(tmp_path)), "train", 0, 1, per_host_batch=4)
+    it = _pipeline(_config(_write_dataset(tmp_path)), "train", 0, 1, per_host_batch=4)
     batches = [next(it) for _ in range(3)]
     b = batches[0]
     assert b["img"].shape == (4, 4, 64) and b["img"].dtype == np.float32
@@ -108,71 +100,71 @@ def test_batch_contract_and_order_covers_epoch(tmp_path):
 
 def test_state_restore_and_hosts_disjoint(tmp_path):
     cfg = _config(_write_dataset(tmp_path))
-    it = data.make_pipeline(cfg, "train", 0, 1, per_host_batch=2)
+    it = _pipeline(cfg, "train", 0, 1, per_host_batch=2)
     next(it)
     state = it.get_state()
     expected = [next(it)["img"] for _ in range(2)]
-    fresh = data.make_pipeline(cfg, "train", 0, 1, per_host_batch=2)
+    fresh = _pipeline(cfg, "train", 0, 1, per_host_batch=2)
     fresh.set_state(state)
     for e in expected:
         np.testing.assert_array_equal(next(fresh)["img"], e)
-    hosts = [data.make_pipeline(cfg, "train", p, 2, per_host_batch=2) for p in range(2)]
+    hosts = [_pipeline(cfg, "train", p, 2, per_host_batch=2) for p in range(2)]
     seen = [np.concatenate([_record_ids(next(h)) for _ in range(3)]) for h in hosts]
     assert not set(seen[0]) & set(seen[1]) and len(set(seen[0]) | set(seen[1])) == 12
 
 
 def test_cfg_dropout(tmp_path):
     path = _write_dataset(tmp_path)
-    it = data.make_pipeline(_config(path, cfg_dropout_prob=1.0), "train", 0, 1, per_host_batch=4)
+    it = _pipeline(_config(path, cfg_dropout_prob=1.0), "train", 0, 1, per_host_batch=4)
     b = next(it)
     assert np.all(b["txt"] == -1.0) and np.all(b["y"] == -1.0)
-    it = data.make_pipeline(_config(path, cfg_dropout_prob=0.5), "train", 0, 1, per_host_batch=4)
+    it = _pipeline(_config(path, cfg_dropout_prob=0.5), "train", 0, 1, per_host_batch=4)
     dropped = [np.all(next(it)["y"] == -1.0, axis=1) for _ in range(12)]
     frac = np.concatenate(dropped).mean()
     assert 0.25 < frac < 0.75
-    val = next(data.make_pipeline(_config(path, cfg_dropout_prob=1.0), "val", 0, 1, per_host_batch=4))
+    val = next(_pipeline(_config(path, cfg_dropout_prob=1.0), "val", 0, 1, per_host_batch=4))
     assert not np.any(val["y"] == -1.0)
 
 
 def test_validation_split_timesteps(tmp_path):
     path = _write_dataset(tmp_path / "a")
-    val = list(data.make_pipeline(_config(path), "val", 0, 1, per_host_batch=4))
+    val = list(_pipeline(_config(path), "val", 0, 1, per_host_batch=4))
     assert len(val) == 3
     np.testing.assert_array_equal(np.concatenate([_record_ids(b) for b in val]), np.arange(12))
     np.testing.assert_array_equal(np.concatenate([b["timestep"] for b in val]), np.arange(12) % 8)
     path = _write_dataset(tmp_path / "b", with_timestep=True)
-    b = next(data.make_pipeline(_config(path), "val", 0, 1, per_host_batch=4))
+    b = next(_pipeline(_config(path), "val", 0, 1, per_host_batch=4))
     np.testing.assert_array_equal(b["timestep"], [7, 6, 5, 4])
 
 
 def test_mock_real_shapes():
     cfg = _config(source="mock", image_size=256, txt_len=256)
     cfg.model.context_in_dim, cfg.model.vec_in_dim = 4096, 768
-    it = data.make_pipeline(cfg, "train", 0, 1, per_host_batch=2, mock_records=8)
+    it = _pipeline(cfg, "train", 0, 1, per_host_batch=2, mock_records=8)
     b = next(it)
     assert b["img"].shape == (2, 256, 64) and b["txt"].shape == (2, 256, 4096) and b["y"].shape == (2, 768)
-    again = next(data.make_pipeline(cfg, "train", 0, 1, per_host_batch=2, mock_records=8))
+    again = next(_pipeline(cfg, "train", 0, 1, per_host_batch=2, mock_records=8))
     np.testing.assert_array_equal(b["img"], again["img"])
 
 
 def test_user_errors(tmp_path):
     with pytest.raises(ValueError, match="data.path is empty"):
-        data.make_pipeline(_config(""), "train", 0, 1)
+        _pipeline(_config(""), "train", 0, 1)
     with pytest.raises(ValueError, match="data.source='bogus'"):
-        data.make_pipeline(_config(source="bogus"), "train", 0, 1)
+        _pipeline(_config(source="bogus"), "train", 0, 1)
     with pytest.raises(ValueError, match="data.image_size=40"):
-        data.make_pipeline(_config(tmp_path, image_size=40), "train", 0, 1)
+        _pipeline(_config(tmp_path, image_size=40), "train", 0, 1)
     path = _write_dataset(tmp_path)
     with pytest.raises(ValueError, match="check data.image_size"):
-        next(data.make_pipeline(_config(path, image_size=64), "train", 0, 1))
+        next(_pipeline(_config(path, image_size=64), "train", 0, 1))
     with pytest.raises(ValueError, match="global_batch_size=4 is not divisible"):
-        data.make_pipeline(_config(path), "train", 0, 3)
+        _pipeline(_config(path), "train", 0, 3)
 
 
 def test_worker_processes_match_in_process(tmp_path):
     path = _write_dataset(tmp_path)
-    ref = data.make_pipeline(_config(path), "train", 0, 1, per_host_batch=2)
-    it = data.make_pipeline(_config(path, num_workers=1), "train", 0, 1, per_host_batch=2)
+    ref = _pipeline(_config(path), "train", 0, 1, per_host_batch=2)
+    it = _pipeline(_config(path, num_workers=1), "train", 0, 1, per_host_batch=2)
     try:
         for _ in range(3):
             np.testing.assert_array_equal(next(it)["img"], next(ref)["img"])

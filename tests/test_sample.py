@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux_jax import sample, toy
+from flux_jax import latents, sample
 
 
 @pytest.mark.parametrize("seq_len", [256, 1024, 4096])
@@ -82,15 +82,6 @@ def test_classifier_free_guidance_combines_cond_and_uncond():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_unpack_inverts_pack():
-    lat = np.random.default_rng(3).standard_normal((2, 16, 6, 10)).astype(np.float32)
-    packed = toy.pack(lat)
-    assert packed.shape == (2, 15, 64)
-    np.testing.assert_array_equal(np.asarray(sample.unpack(jnp.asarray(packed), 6, 10)), lat)
-    with pytest.raises(ValueError, match="unpack"):
-        sample.unpack(jnp.asarray(packed), 6, 6)
-
-
 def test_grid_and_png(tmp_path):
     from PIL import Image
 
@@ -137,7 +128,7 @@ def test_tiny_flux_denoise_shapes(tiny_dev):
     flux, params = tiny_dev
     fp = flux.params
     seq = (LATENT // 2) ** 2
-    img_ids = jnp.broadcast_to(jnp.asarray(toy.img_ids(LATENT, LATENT)), (B, seq, 3))
+    img_ids = jnp.broadcast_to(jnp.asarray(latents.image_ids(LATENT, LATENT)), (B, seq, 3))
     txt = jnp.ones((B, TXT_LEN, fp.context_in_dim))
     txt_ids = jnp.zeros((B, TXT_LEN, 3))
     y = jnp.ones((B, fp.vec_in_dim))
@@ -151,7 +142,7 @@ def test_tiny_flux_denoise_shapes(tiny_dev):
     # The guidance value reaches the model (guidance_in embedding).
     other = sample.denoise(apply_fn, {"params": params}, noise, img_ids, txt, txt_ids, y, ts, 5.0)
     assert not np.allclose(np.asarray(out), np.asarray(other))
-    assert sample.unpack(out, LATENT, LATENT).shape == (B, 16, LATENT, LATENT)
+    assert latents.unpack(out, LATENT, LATENT).shape == (B, 16, LATENT, LATENT)
 
 
 def test_cli_samples_from_checkpoint(tmp_path, tiny_dev):

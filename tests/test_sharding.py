@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import toy as toy_config
-from flux_jax import fp8, sharding
+from flux_jax import fp8, setup, sharding
 from flux_jax.layers import dense
 from flux_jax.model import PRESETS, Flux
 
@@ -70,11 +70,20 @@ def test_logical_to_spec_fallbacks():
 
 def test_rules_from_config_override():
     assert sharding.rules_from_config(_config(1, 1, 1)) == sharding.DEFAULT_RULES
-    rules = sharding.rules_from_config(
-        _config(1, 1, 1, logical_axis_rules=[("embed", None), ("mlp", "fsdp")])
-    )
+    assert sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="")) == sharding.DEFAULT_RULES
+    rules = sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="embed=none, mlp=fsdp"))
+    assert rules[:2] == (("embed", None), ("mlp", "fsdp"))
+    assert ("embed", "fsdp") not in rules and ("qkv", "tensor") in rules  # unbound names keep the defaults
     mesh = sharding.make_mesh(_config(1, 4, 2))
     assert sharding.logical_to_spec(("embed", "mlp"), (8, 8), mesh, rules) == PartitionSpec(None, "fsdp")
+    joined = sharding.rules_from_config(_config(1, 1, 1, logical_axis_rules="act_batch=data+fsdp+tensor"))
+    assert joined[0] == ("act_batch", ("data", "fsdp", "tensor"))
+
+
+@pytest.mark.parametrize("text", ["embd=fsdp", "embed=fdsp", "embed"])
+def test_bad_logical_axis_rules_name_the_field_and_the_form(text):
+    with pytest.raises(ValueError, match=r"logical_axis_rules=.*bad entries .*e\.g\. --config"):
+        sharding.parse_rules(text)
 
 
 def _inputs(params, batch=8, img_len=16, txt_len=8):
@@ -304,9 +313,12 @@ def test_aot_flux_dev_width_memory_per_device():
     spec = importlib.util.spec_from_file_location("aot_12b", path)
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    flux_params = dataclasses.replace(PRESETS["flux-dev"], depth=1, depth_single_blocks=1)
-    mesh = sharding.make_mesh(_config(1, 4, 2))
-    report = aot.aot_step_memory(Flux(flux_params), mesh, batch=8, img_len=64, txt_len=16)
+    args = aot._parse(
+        "--data 1 --fsdp 4 --tensor 2 --depth 1 --single 1 --image-size 128 --txt-len 16".split()
+    )
+    run = setup.build(aot.aot_config(args))
+    assert run.fp == dataclasses.replace(PRESETS["flux-dev"], depth=1, depth_single_blocks=1)
+    report = aot.aot_step_memory(run, batch=8)
     assert report["params"] > 500_000_000
     # Arguments are the sharded params plus the batch slice: about an eighth of the full model.
     assert report["argument_size_bytes"] < report["param_bytes_unsharded"] / 6

@@ -5,11 +5,11 @@ import numpy as np
 import optax
 import pytest
 
-from flux_jax import optim, sharding, steps, toy
+from flux_jax import optim, setup, sharding, steps, toy
 
 
 def _step_setup(config, batch_size):
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     net = steps.make_model(config, fp, use_fp8=False)
     pipe = toy.ToyPipeline(
         seed=0,
@@ -72,7 +72,7 @@ def test_gpu_fp8_train_step_runs_every_block_linear_in_fp8(wgrad):
     config.fp8_wgrad = wgrad
     config.global_batch_size = config.micro_batch_size
     config.mesh.data = -1
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     net = steps.make_model(config, fp, use_fp8=True)
     img_len, txt_len = (config.data.image_size // 16) ** 2, config.data.txt_len
     b = config.micro_batch_size
@@ -132,7 +132,7 @@ def test_fp8_weight_cache_under_accumulation_is_exact_and_out_of_the_loop(tiny_c
     # Kernel shapes (32 x 32k) stay apart from the activations' (M = 2 samples x 4 tokens).
     config = tiny_config(fp8="e4m3", **{"model.scan_blocks": scan_blocks, "model.depth": 2})
     config.micro_batch_size = 2
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     net = steps.make_model(config, fp, use_fp8=True)
     _, _, batch = _step_setup(config, 8)
     args = (batch["img"][:1], batch["img_ids"][:1], batch["txt"][:1], batch["txt_ids"][:1])

@@ -64,15 +64,6 @@ def test_cfg_dropout_zeroes_whole_captions():
     assert 0.15 < dropped.mean() < 0.35
 
 
-def test_pack_unpack_roundtrip_and_layout():
-    x = np.random.default_rng(0).standard_normal((2, 16, 8, 6)).astype(np.float32)
-    packed = toy.pack(x)
-    assert packed.shape == (2, 12, 64)
-    # Token (row 1, col 2), feature (channel 3, ph 1, pw 0) is latent pixel (3, 3, 4).
-    np.testing.assert_array_equal(packed[0, 1 * 3 + 2, 3 * 4 + 1 * 2 + 0], x[0, 3, 3, 4])
-    np.testing.assert_array_equal(toy.unpack(packed, 8, 6), x)
-
-
 def test_drawn_colour_decodes_back():
     latent = toy.draw_latent("red circle center", 16, np.random.default_rng(0))
     rgb = toy.decode(latent)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux_jax import metrics, model, optim, train
+from flux_jax import metrics, model, optim, setup, train
 
 
 def _lines(workdir):
@@ -63,10 +63,10 @@ def test_metrics_read_one_step_late_match_every_step_reads(tiny_config, tmp_path
 
 
 def _nan_pipeline(monkeypatch):
-    real = train._pipeline
+    real = setup.make_pipeline
 
-    def pipeline(config, split, fp):
-        it = real(config, split, fp)
+    def pipeline(config, split, *args, **kwargs):
+        it = real(config, split, *args, **kwargs)
         if split != "train":
             return it
 
@@ -79,7 +79,7 @@ def _nan_pipeline(monkeypatch):
 
         return Poisoned()
 
-    monkeypatch.setattr(train, "_pipeline", pipeline)
+    monkeypatch.setattr(setup, "make_pipeline", pipeline)
 
 
 def test_nonfinite_steps_switch_fp8_to_bf16_then_stop(tiny_config, tmp_path, monkeypatch, caplog):
@@ -132,6 +132,33 @@ def test_invalid_config_names_field(tiny_config, field, value, tmp_path):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_validation_fields_steer_the_loop(tiny_config, tmp_path, monkeypatch):
+    # eval_interval=2 validates after step 2 with eval_iters=3 batches; a target_val_loss above any
+    # loss stops the run there, with a checkpoint, instead of running all 6 steps.
+    drawn = []
+    real = setup.make_pipeline
+
+    def pipeline(config, split, *args, **kwargs):
+        it = real(config, split, *args, **kwargs)
+
+        class Counting:
+            get_state, set_state = it.get_state, it.set_state
+
+            def __next__(self):
+                drawn.append(split)
+                return next(it)
+
+        return Counting()
+
+    monkeypatch.setattr(setup, "make_pipeline", pipeline)
+    config = tiny_config(train_iters=6, eval_interval=2, eval_iters=3, save_interval=0, target_val_loss=100.0)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    assert result["steps"] == 2 and result["val_loss"] <= 100.0
+    assert drawn.count("val") == 1 + 3  # the start-up check, then eval_iters batches
+    assert [x["step"] for x in _lines(str(tmp_path)) if x["split"] == "val"] == [2]
+    assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
 
 
 def test_lr_schedule_and_decay_mask(tiny_config):
