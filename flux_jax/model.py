@@ -23,6 +23,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from flux_jax.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, dense
 from flux_jax.math import embed_nd, timestep_embedding
@@ -167,12 +168,37 @@ def _segment_name(start: int, stop: int) -> str:
     return f"layers_{start}_{stop}"
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_stack(x, spans: tuple[tuple[int, int], ...]) -> tuple:
+    """The slices ``x[start:stop]`` of consecutive spans covering x's leading axis.
+
+    The gradient concatenates the slices' gradients: one buffer, where slicing's own transpose pads
+    each to the full stack and adds them (and cannot pad fp8_meta's max-combining dtype).
+    """
+    return tuple(lax.slice_in_dim(x, a, b) for a, b in spans)
+
+
+def _split_stack_fwd(x, spans):
+    return split_stack(x, spans), None
+
+
+def _split_stack_bwd(spans, _, cts):
+    return (lax.concatenate(list(cts), 0),)
+
+
+split_stack.defvjp(_split_stack_fwd, _split_stack_bwd)
+
+
 def split_layers(spans: tuple[tuple[int, int], ...], variables: dict) -> dict:
     """{collection: stacked tree} -> {collection: {"layers_{start}_{stop}": the layers [start, stop)}}."""
-    return {
-        col: {_segment_name(a, b): jax.tree.map(lambda x, a=a, b=b: x[a:b], tree) for a, b in spans}
-        for col, tree in variables.items()
-    }
+    out = {}
+    for col, tree in variables.items():
+        leaves, treedef = jax.tree.flatten(tree)
+        parts = [split_stack(x, spans) for x in leaves]
+        out[col] = {
+            _segment_name(a, b): treedef.unflatten([p[k] for p in parts]) for k, (a, b) in enumerate(spans)
+        }
+    return out
 
 
 def join_layers(spans: tuple[tuple[int, int], ...], variables: dict) -> dict:
