@@ -232,16 +232,19 @@ class _Segments(nn.Module):
 def _check_uniform_state(kind: str, segments) -> None:
     """Layers of one stack must hold the same variables: a dot with FP8 state and one without can't
     share a stacked tree (a BF16 layer of an FP8 run holds its state: ``Fp8DotGeneral(enabled=False)``)."""
+
+    def what(factory) -> str:
+        return "None (no FP8 state)" if factory is None else "a dot_general module"
+
     first = segments[0][2]
     for start, _, factories in segments[1:]:
         for which, a, b in zip(("", ".modulation"), first, factories, strict=True):
             if (a is None) != (b is None):
                 raise ValueError(
-                    f"scan_blocks: dot_general policy gives {kind}.0{which} "
-                    f"{'no dot' if a is None else 'a dot'} and {kind}.{start}{which} "
-                    f"{'no dot' if b is None else 'a dot'}; the layers of a scanned stack must hold the "
-                    "same state. Give BF16 layers a dot that holds the FP8 state (fp8.make_policy does) "
-                    "or set model.scan_blocks=False."
+                    f"scan_blocks: the dot_general policy gives {kind}.0{which} {what(a)} but "
+                    f"{kind}.{start}{which} {what(b)}; the layers of a scanned stack must hold the same "
+                    "state. Give BF16 layers a dot that holds the FP8 state (as fp8.make_policy does) or "
+                    "set model.scan_blocks=False."
                 )
 
 

@@ -161,7 +161,8 @@ def test_scanned_stack_rejects_a_policy_mixing_state_and_none():
         return None if site.startswith("double_blocks.0") else AmaxDot
 
     with pytest.raises(
-        ValueError, match=r"double_blocks.0 no dot and double_blocks.1 a dot.*scan_blocks=False"
+        ValueError,
+        match=r"double_blocks.0 None .* but double_blocks.1 a dot_general module.*scan_blocks=False",
     ):
         Flux(params, dot_general_policy=policy, scan_blocks=True).init(jax.random.key(0), *_inputs(params))
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_jax import checkpoint, optim, sample, steps, train
+from flux_jax import checkpoint, model, optim, sample, steps, train
 
 POLICIES = [(fp8, first_last) for fp8 in (None, "e4m3") for first_last in (False, True)]
 # The BF16 block sites under first_last_layers_bf16 (1 at the start, 2 at the end).
@@ -149,6 +149,60 @@ def test_modulation_state_follows_fp8_modulation_for_bf16_blocks_too():
             assert policy(site)().enabled == enabled
             mod = policy(f"{site}.modulation")
             assert (mod is None) != fp8_modulation and (mod is None or mod().enabled == enabled)
+
+
+def test_a_scanned_stack_with_a_bf16_layer_in_the_middle_computes_what_unscanned_blocks_do():
+    # Double blocks BF16 / FP8 / BF16: three scans over slices of one stack; single blocks all BF16.
+    from conftest import make_tiny_config
+
+    from flux_jax import convert, fp8
+
+    results = []
+    for scan in (False, True):
+        config = make_tiny_config(**_overrides(scan, "e4m3", True), num_layers_at_end_in_bf16=4)
+        fp = steps.flux_params(config)
+        net = steps.make_model(config, fp, True)
+        assert [s[:2] for s in model.block_segments(3, "double_blocks", net.dot_general_policy)] == [
+            (0, 1),
+            (1, 2),
+            (2, 3),
+        ]
+        params = _built(False, None, False)[3]["params"]
+        # Scaling state off its initial values, so a held layer that lost it would show.
+        meta = jax.tree.map(lambda x: x + 0.25, _built(False, "e4m3", False)[3]["fp8_meta"])
+        if scan:
+            params = convert.load_torch_state_dict(
+                convert.export_bfl_state_dict({"params": params}, fp), fp, True
+            )
+            params = params["params"]
+            meta = {k: v for k, v in meta.items() if not k.startswith(("double_blocks", "single_blocks"))} | {
+                f"{kind}_scan_0_3": jax.tree.map(
+                    lambda *x: jnp.stack(x), *(meta[f"{kind}_{i}"] for i in range(3))
+                )
+                for kind in ("double_blocks", "single_blocks")
+            }
+
+        def loss(params, meta, net=net, fp=fp):
+            out = net.apply({"params": params, "fp8_meta": fp8.as_max_grad(meta)}, *_args(fp, 2))
+            return jnp.mean(jnp.square(out - 0.1))
+
+        value, (grads, new_meta) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, meta)
+        results.append(
+            (value, convert.export_bfl_state_dict({"params": grads}, fp), fp8.from_max_grad(new_meta), meta)
+        )
+    (v0, g0, m0, _), (v1, g1, m1, m1_in) = results
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], rtol=1e-4, atol=1e-7, err_msg=k)
+    # Layer 1 (FP8) records what the unscanned block does; layers 0 and 2 (BF16) keep their state.
+    stack, stack_in = m1["double_blocks_scan_0_3"], m1_in["double_blocks_scan_0_3"]
+    got = jax.tree.leaves(jax.tree.map(lambda x: x[1], stack))
+    for a, b in zip(got, jax.tree.leaves(m0["double_blocks_1"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert float(np.max(got[0])) > 0.25  # a fresh amax went in
+    for i in (0, 2):
+        _equal(jax.tree.map(lambda x, i=i: x[i], stack), jax.tree.map(lambda x, i=i: x[i], stack_in))
+    _equal(m1["single_blocks_scan_0_3"], m1_in["single_blocks_scan_0_3"])
 
 
 @functools.cache
