@@ -2,8 +2,8 @@
 
 For each scan setting, every policy of {BF16, FP8} x {first_last_layers_bf16 off, on} must share one
 tree, so that init_from, the on_nonfinite="bf16" fallback, checkpoint precision switches, export and
-sampling work between any two of them. The model has 3 double and 3 single blocks; first/last
-BF16 keeps double block 0 and single blocks 1, 2 in BF16, so each scanned stack runs mixed.
+sampling work between any two of them. The model has 2 double and 2 single blocks; first/last
+BF16 keeps double block 0 and single block 1 in BF16, so each scanned stack runs mixed.
 """
 
 import functools
@@ -22,20 +22,21 @@ from PIL import Image
 from flux_jax import checkpoint, model, optim, sample, steps, train
 
 POLICIES = [(fp8, first_last) for fp8 in (None, "e4m3") for first_last in (False, True)]
-# The BF16 block sites under first_last_layers_bf16 (1 at the start, 2 at the end).
-HELD = {"double_blocks": (0,), "single_blocks": (1, 2)}
-ARCH = {"model.depth": 3, "model.depth_single_blocks": 3}
+# The BF16 block sites under first_last_layers_bf16 (1 at the start, 1 at the end).
+HELD = {"double_blocks": (0,), "single_blocks": (1,)}
+ARCH = {"model.depth": 2, "model.depth_single_blocks": 2}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _overrides(scan, fp8, first_last):
+def _overrides(scan, fp8, first_last, **arch):
     return {
         "fp8": fp8,
         "first_last_layers_bf16": first_last,
         "num_layers_at_start_in_bf16": 1,
-        "num_layers_at_end_in_bf16": 2,
+        "num_layers_at_end_in_bf16": 1,
         "model.scan_blocks": scan,
         **ARCH,
+        **arch,
     }
 
 
@@ -51,16 +52,21 @@ def _args(fp, batch=1):
     )
 
 
+def _init(config):
+    """(FluxParams, model, variables) of a config; params from config.seed as train.py draws them."""
+    fp = steps.flux_params(config)
+    net = steps.make_model(config, fp, config.fp8 is not None)
+    init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]
+    return fp, net, nn.unbox(jax.jit(net.init)(init_rng, *_args(fp)))
+
+
 @functools.cache
 def _built(scan, fp8, first_last):
-    """(config, FluxParams, model, state) of one policy; params from config.seed as train.py draws them."""
+    """(config, FluxParams, model, state) of one policy."""
     from conftest import make_tiny_config
 
     config = make_tiny_config(**_overrides(scan, fp8, first_last))
-    fp = steps.flux_params(config)
-    net = steps.make_model(config, fp, fp8 is not None)
-    init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]
-    variables = nn.unbox(jax.jit(net.init)(init_rng, *_args(fp)))
+    fp, net, variables = _init(config)
     params = variables["params"]
     state = {
         "step": jnp.zeros((), jnp.int32),
@@ -81,22 +87,22 @@ def _equal(a, b):
 def _layer(tree, kind, i, scan):
     """Block i's subtree: a slice of the stack when scanned."""
     if scan:
-        return jax.tree.map(lambda x: x[i], tree[f"{kind}_scan_0_3"])
+        return jax.tree.map(lambda x: x[i], tree[f"{kind}_scan_0_2"])
     return tree[f"{kind}_{i}"]
 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_every_policy_has_one_tree_and_the_same_initial_params(scan):
     _, _, _, ref = _built(scan, None, False)
-    names = {"double_blocks_scan_0_3", "single_blocks_scan_0_3"} if scan else {"double_blocks_0"}
+    names = {"double_blocks_scan_0_2", "single_blocks_scan_0_2"} if scan else {"double_blocks_0"}
     assert names <= set(ref["params"])
     for policy in POLICIES[1:]:
         _equal(_built(scan, *policy)[3]["params"], ref["params"])
     # fp8_meta covers every block, the BF16 ones included: first_last does not change it.
     plain, first_last = _built(scan, "e4m3", False)[3]["fp8_meta"], _built(scan, "e4m3", True)[3]["fp8_meta"]
     _equal(plain, first_last)
-    for kind, n in (("double_blocks", 3), ("single_blocks", 3)):
-        for i in range(n):
+    for kind in ("double_blocks", "single_blocks"):
+        for i in range(2):
             layer = _layer(first_last, kind, i, scan)
             qkv = layer["img_attn"]["qkv"] if kind == "double_blocks" else layer["linear1"]
             assert "Fp8DotGeneral_0" in qkv, (kind, i)
@@ -152,34 +158,33 @@ def test_modulation_state_follows_fp8_modulation_for_bf16_blocks_too():
 
 
 def test_a_scanned_stack_with_a_bf16_layer_in_the_middle_computes_what_unscanned_blocks_do():
-    # Double blocks BF16 / FP8 / BF16: three scans over slices of one stack; single blocks all BF16.
+    # 3 double blocks BF16 / FP8 / BF16: three scans over slices of one stack; the single block BF16.
     from conftest import make_tiny_config
 
     from flux_jax import convert, fp8
 
+    arch = {"model.depth": 3, "model.depth_single_blocks": 1, "num_layers_at_end_in_bf16": 2}
+    _, _, variables = _init(make_tiny_config(**_overrides(False, "e4m3", True, **arch)))
     results = []
     for scan in (False, True):
-        config = make_tiny_config(**_overrides(scan, "e4m3", True), num_layers_at_end_in_bf16=4)
+        config = make_tiny_config(**_overrides(scan, "e4m3", True, **arch))
         fp = steps.flux_params(config)
         net = steps.make_model(config, fp, True)
-        assert [s[:2] for s in model.block_segments(3, "double_blocks", net.dot_general_policy)] == [
-            (0, 1),
-            (1, 2),
-            (2, 3),
-        ]
-        params = _built(False, None, False)[3]["params"]
+        segments = model.block_segments(3, "double_blocks", net.dot_general_policy)
+        assert [s[:2] for s in segments] == [(0, 1), (1, 2), (2, 3)]
+        params = variables["params"]
         # Scaling state off its initial values, so a held layer that lost it would show.
-        meta = jax.tree.map(lambda x: x + 0.25, _built(False, "e4m3", False)[3]["fp8_meta"])
+        meta = jax.tree.map(lambda x: x + 0.25, variables["fp8_meta"])
         if scan:
             params = convert.load_torch_state_dict(
                 convert.export_bfl_state_dict({"params": params}, fp), fp, True
             )
             params = params["params"]
             meta = {k: v for k, v in meta.items() if not k.startswith(("double_blocks", "single_blocks"))} | {
-                f"{kind}_scan_0_3": jax.tree.map(
-                    lambda *x: jnp.stack(x), *(meta[f"{kind}_{i}"] for i in range(3))
-                )
-                for kind in ("double_blocks", "single_blocks")
+                "double_blocks_scan_0_3": jax.tree.map(
+                    lambda *x: jnp.stack(x), *(meta[f"double_blocks_{i}"] for i in range(3))
+                ),
+                "single_blocks_scan_0_1": jax.tree.map(lambda x: x[None], meta["single_blocks_0"]),
             }
 
         def loss(params, meta, net=net, fp=fp):
@@ -202,7 +207,7 @@ def test_a_scanned_stack_with_a_bf16_layer_in_the_middle_computes_what_unscanned
     assert float(np.max(got[0])) > 0.25  # a fresh amax went in
     for i in (0, 2):
         _equal(jax.tree.map(lambda x, i=i: x[i], stack), jax.tree.map(lambda x, i=i: x[i], stack_in))
-    _equal(m1["single_blocks_scan_0_3"], m1_in["single_blocks_scan_0_3"])
+    _equal(m1["single_blocks_scan_0_1"], m1_in["single_blocks_scan_0_1"])
 
 
 @functools.cache
@@ -224,31 +229,32 @@ def _changed(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "scan,first_last,num_micro", [(False, True, 1), (True, True, 1), (True, True, 2), (True, False, 1)]
-)
-def test_fp8_step_holds_bf16_layers_state_and_bf16_fallback_runs_on_its_state(scan, first_last, num_micro):
-    config, fp, net, state = _built(scan, "e4m3", first_last)
-    tx = optim.make_optimizer(config)
-    fp8_step = jax.jit(steps.make_train_step(config, net, tx, num_micro, True))
+@pytest.mark.parametrize("scan,num_micro", [(False, 1), (True, 2)])
+def test_an_fp8_step_with_bf16_first_last_layers_leaves_their_state_alone(scan, num_micro):
+    # num_micro 2: gradient accumulation (states merged by max) and kernels cast once per step.
+    config, fp, net, state = _built(scan, "e4m3", True)
+    fp8_step = jax.jit(steps.make_train_step(config, net, optim.make_optimizer(config), num_micro, True))
     new, m = fp8_step(state, _batch(fp))
-    assert bool(m["finite"])
-    for kind, n in (("double_blocks", 3), ("single_blocks", 3)):
-        for i in range(n):
+    assert bool(m["finite"]) and _changed(new["params"], state["params"])
+    for kind in ("double_blocks", "single_blocks"):
+        for i in range(2):
             before, after = _layer(state["fp8_meta"], kind, i, scan), _layer(new["fp8_meta"], kind, i, scan)
-            if first_last and i in HELD[kind]:
-                _equal(after, before)  # a BF16 layer's state stays as it was (not zeroed)
+            if i in HELD[kind]:
+                _equal(after, before)  # not zeroed by the unused state's zero cotangent
             else:
-                hist = [
-                    np.asarray(x)
-                    for p, x in jax.tree_util.tree_leaves_with_path(after)
-                    if "input_amax" in str(p)
-                ]
+                paths = jax.tree_util.tree_leaves_with_path(after)
+                hist = [np.asarray(x) for p, x in paths if "input_amax" in str(p)]
                 assert hist and all(h[0] > 0 for h in hist), (kind, i)
-    # on_nonfinite="bf16": the BF16 step runs on the FP8 run's state and leaves fp8_meta alone.
-    after_bf16, m = _bf16_step(scan)(new, _batch(fp))
-    assert bool(m["finite"]) and _changed(after_bf16["params"], new["params"])
-    _equal(after_bf16["fp8_meta"], new["fp8_meta"])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_bf16_fallback_steps_on_the_state_of_every_fp8_policy(scan):
+    # on_nonfinite="bf16" compiles the BF16 step for the FP8 run's state; fp8_meta rides along.
+    for first_last in (False, True):
+        _, fp, _, state = _built(scan, "e4m3", first_last)
+        new, m = _bf16_step(scan)(state, _batch(fp))
+        assert bool(m["finite"]) and _changed(new["params"], state["params"])
+        _equal(new["fp8_meta"], state["fp8_meta"])
 
 
 @pytest.fixture(scope="module")
