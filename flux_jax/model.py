@@ -6,13 +6,14 @@ Param tree (unscanned) mirrors BFL's state dict with "." -> "/" and list indices
 With `scan_blocks`, each block kind is one module `double_blocks_scan_0_{depth}` /
 `single_blocks_scan_0_{depth_single_blocks}` whose variables carry a leading "layers" axis.
 
-The variable tree is a function of the architecture alone: the dot_general policy (which layers run
-FP8), remat and the compute dtype never rename or reshape a variable, so FP8 and BF16 runs, the BF16
-fallback, checkpoints, `init_from`, export and sampling share one tree (scanned and unscanned trees
-differ only by stacking, which the converter maps). Where the policy differs between layers of a
-scanned stack, the layers run as consecutive scans, one per run of layers with equal dot_general
-factories (`block_segments`), each reading its slice of the stack; `init` always builds the stack as
-one scan, so the initial params are those of a uniform policy.
+The param tree is a function of the architecture alone: the dot_general policy (which layers run
+FP8), remat and the compute dtype never rename a parameter, so FP8 and BF16 runs, the BF16 fallback,
+checkpoints, `init_from`, export and sampling share one tree (scanned and unscanned trees differ only
+by stacking, which the converter maps). The fp8_meta tree of an FP8 run likewise covers every block
+(see `fp8.make_policy`). Where the policy differs between layers of a scanned stack, the layers run
+as consecutive scans, one per run of layers with equal dot_general factories (`block_segments`),
+each reading its slice of the stack; `init` always builds the stack as one scan, so one seed gives
+the same params under every policy.
 """
 
 import dataclasses
