@@ -35,6 +35,7 @@ def _overrides(scan, fp8, first_last, **arch):
         "num_layers_at_start_in_bf16": 1,
         "num_layers_at_end_in_bf16": 1,
         "model.scan_blocks": scan,
+        "lr_warmup_iters": 0,  # the first step already moves the params
         **ARCH,
         **arch,
     }
@@ -150,7 +151,7 @@ def test_modulation_state_follows_fp8_modulation_for_bf16_blocks_too():
         for site, enabled in (
             ("double_blocks.0", False),
             ("double_blocks.1", True),
-            ("single_blocks.2", False),
+            ("single_blocks.1", False),
         ):
             assert policy(site)().enabled == enabled
             mod = policy(f"{site}.modulation")
