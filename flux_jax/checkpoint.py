@@ -280,12 +280,12 @@ def _place(tree, abstract):
     return jax.tree.map(put, tree, abstract)
 
 
-def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False, dot_general_policy=None):
+def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False):
     """Initial params for config.init_from, placed on abstract_params' shardings.
 
     `path`: a BFL or diffusers .safetensors file, a diffusers transformer/ folder (or its parent),
     or a flux_jax workdir / checkpoint directory (params only; optimizer state starts fresh).
-    With scan_blocks, pass the model's dot_general_policy so the stacked block segments match.
+    The params of a model do not depend on its FP8 policy, so FP8 and BF16 runs load the same ones.
     """
     p = epath.Path(path)
     field = f"config.init_from={path!s}"
@@ -311,7 +311,7 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
     from flux_jax import convert
 
     state_dict = _read_safetensors(files)
-    variables = convert.load_torch_state_dict(state_dict, flux_params, scan_blocks, dot_general_policy)
+    variables = convert.load_torch_state_dict(state_dict, flux_params, scan_blocks)
     params = variables["params"]
     bad = shape_mismatches(abstract_params, params)
     if bad:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flux_jax import cli, setup
-from flux_jax.model import PRESETS, Flux, FluxParams, block_segments
+from flux_jax.model import PRESETS, Flux, FluxParams
 
 _PREFIX = "model.diffusion_model."
 _SCANNED = re.compile(r"^(double_blocks|single_blocks)_scan_(\d+)_(\d+)$")
@@ -130,11 +130,11 @@ def _set(tree: dict, path: list[str], value):
 
 
 def load_torch_state_dict(
-    state_dict: Mapping[str, Any], params: FluxParams, scan_blocks: bool = False, dot_general_policy=None
+    state_dict: Mapping[str, Any], params: FluxParams, scan_blocks: bool = False
 ) -> dict[str, Any]:
     """BFL or diffusers state dict -> {"params": ...} (float32 numpy) for Flux(params).apply.
 
-    With scan_blocks, pass the same dot_general_policy as the model so the stacked segments match.
+    With scan_blocks, each block kind is stacked into one ``{kind}_scan_0_{n}`` (whatever the FP8 policy).
     """
     sd = {k.removeprefix(_PREFIX): _to_numpy(v) for k, v in state_dict.items()}
     is_diffusers = any(k.startswith(("transformer_blocks.", "x_embedder.")) for k in sd)
@@ -169,15 +169,15 @@ def load_torch_state_dict(
             names[-1], value = "kernel", value.T
         _set(tree, names, np.ascontiguousarray(value, dtype=np.float32))
     if scan_blocks:
-        tree = _stack_blocks(tree, params, dot_general_policy)
+        tree = _stack_blocks(tree, params)
     return {"params": tree}
 
 
-def _stack_blocks(tree: dict, params: FluxParams, policy) -> dict:
+def _stack_blocks(tree: dict, params: FluxParams) -> dict:
     for kind, n in (("double_blocks", params.depth), ("single_blocks", params.depth_single_blocks)):
-        for start, stop, _ in block_segments(n, kind, policy):
-            blocks = [tree.pop(f"{kind}_{i}") for i in range(start, stop)]
-            tree[f"{kind}_scan_{start}_{stop}"] = jax.tree_util.tree_map(lambda *x: np.stack(x), *blocks)
+        blocks = [tree.pop(f"{kind}_{i}") for i in range(n)]
+        if blocks:
+            tree[f"{kind}_scan_0_{n}"] = jax.tree_util.tree_map(lambda *x: np.stack(x), *blocks)
     return tree
 
 

@@ -236,6 +236,11 @@ def make_policy(
     Sites are ``"double_blocks.{i}"`` / ``"single_blocks.{i}"`` (the token GEMMs of a block), the
     same with ``".modulation"`` (the block's per-sample modulation GEMM) and the embedders and
     final layer (``"img_in"``, ``"final_layer"``, ...), which stay BF16.
+
+    Every block site (and, with ``fp8_modulation``, every modulation site) holds FP8 state; the
+    blocks ``first_last_layers_bf16`` keeps in BF16 get a dot that holds it unused
+    (``Fp8DotGeneral(enabled=False)``). So the ``fp8_meta`` tree depends on the architecture and on
+    ``fp8_modulation`` (which GEMMs of a block can run FP8), never on which layers run BF16.
     """
     if _get(config, "fp8") is None:
         return None
@@ -248,14 +253,16 @@ def make_policy(
         start = int(_get(config, "num_layers_at_start_in_bf16", 0) or 0)
         end = int(_get(config, "num_layers_at_end_in_bf16", 0) or 0)
         bf16 = set(sites[:start]) | set(sites[len(sites) - end :] if end else [])
-    fp8_sites = frozenset(s for s in sites if s not in bf16)
+    state_sites = frozenset(sites)
     if _get(config, "fp8_modulation", False):
         # The per-sample modulation GEMMs (M = batch) follow their block when asked for.
-        fp8_sites |= frozenset(f"{s}.modulation" for s in fp8_sites)
+        state_sites |= frozenset(f"{s}.modulation" for s in sites)
+    fp8_sites = frozenset(s for s in state_sites if s.removesuffix(".modulation") not in bf16)
     factory = functools.partial(Fp8DotGeneral, spec=spec)
+    held = functools.partial(Fp8DotGeneral, spec=spec, enabled=False)
 
     def policy(site: str):
-        return factory if site in fp8_sites else None
+        return factory if site in fp8_sites else held if site in state_sites else None
 
     return policy
 

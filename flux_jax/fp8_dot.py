@@ -22,6 +22,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize, round_to
+from flux_jax.layers import compute_dtype_dot
 
 FP8_COLLECTION = "fp8_meta"
 # Optional, per step: each FP8 dot's kernel cast made once (``cast_kernels``), read instead of casting.
@@ -268,26 +269,51 @@ def from_max_grad(tree):
     return jax.tree.map(lambda v: lax.convert_element_type(v, jnp.float32), tree)
 
 
+@jax.custom_vjp
+def hold_state(y, meta):
+    """``y``, with ``meta`` handed back unchanged as its own cotangent: a dot that holds FP8 state but
+    does not use it leaves that state as it was (an unused input would get a zero cotangent, which
+    the overwrite-with-gradient convention would write over the scales)."""
+    del meta
+    return y
+
+
+def _hold_state_fwd(y, meta):
+    return y, meta
+
+
+def _hold_state_bwd(meta, g):
+    return g, meta
+
+
+hold_state.defvjp(_hold_state_fwd, _hold_state_bwd)
+
+
 class Fp8DotGeneral(nn.Module):
-    """Drop-in for ``lax.dot_general`` in ``nn.Dense(dot_general_cls=...)`` running FP8 GEMMs."""
+    """Drop-in for ``lax.dot_general`` in ``nn.Dense(dot_general_cls=...)`` running FP8 GEMMs.
+
+    ``enabled=False``: a BF16 layer of an FP8 run (``first_last_layers_bf16``). It declares the same
+    FP8 state, so the ``fp8_meta`` tree does not depend on which layers run FP8, computes the 16-bit
+    dot a plain Dense would (bit-equal values and gradients) and keeps its state unchanged.
+    """
 
     spec: Fp8Spec = Fp8Spec()
+    enabled: bool = True
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        del precision  # FP8 GEMMs have one precision.
         spec = self.spec
+        if not self.enabled:
+            y = compute_dtype_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+            meta = self._scaling_state()
+            return hold_state(y, meta) if meta else y
+        del precision  # FP8 GEMMs have one precision.
         # rhs may be the float32 master kernel of a 16-bit lhs: the product is in lhs's dtype.
         out_dtype = preferred_element_type or lhs.dtype
         if spec.recipe in ("blockwise", "mxfp8"):
             # Block scales are computed per call; there is no state to carry.
             return block_scaled_dot(lhs, rhs.astype(lhs.dtype), dimension_numbers, out_dtype)
-        n_hist = max(1, spec.amax_history_len)
-        meta = {}
-        for name in OPERANDS:
-            h = self.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
-            s = self.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
-            meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
+        meta = self._scaling_state()
         max_grad = all(v.dtype == MAX_GRAD_DTYPE for v in meta.values())
         if not max_grad:
             meta = jax.tree.map(lambda v: v.astype(jnp.float32), meta)
@@ -302,6 +328,18 @@ class Fp8DotGeneral(nn.Module):
         w = rhs.reshape(x.shape[1], -1)
         y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w), spec, out_dtype, max_grad, w.dtype)
         return y.reshape(*batch_shape, *out_shape)
+
+    def _scaling_state(self) -> dict:
+        """This dot's scaling state (amax history and scale per operand); none for block-scaled recipes."""
+        if self.spec.recipe in ("blockwise", "mxfp8"):
+            return {}
+        n_hist = max(1, self.spec.amax_history_len)
+        meta = {}
+        for name in OPERANDS:
+            h = self.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
+            s = self.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
+            meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
+        return meta
 
 
 def _cached_kernel_of(module: nn.Module, w):

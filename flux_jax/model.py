@@ -3,18 +3,28 @@
 Param tree (unscanned) mirrors BFL's state dict with "." -> "/" and list indices joined by "_":
 `double_blocks_0/img_attn/qkv/kernel`, `double_blocks_0/img_mlp_0/kernel`,
 `single_blocks_3/linear1/kernel`, `final_layer/adaLN_modulation_1/kernel`, `time_in/in_layer/bias`.
-With `scan_blocks`, each run of consecutive blocks sharing one dot_general factory becomes one
-module named `double_blocks_scan_{start}_{stop}` (stop exclusive) whose params carry a leading
-"layers" axis; `block_segments` gives those runs.
+With `scan_blocks`, each block kind is one module `double_blocks_scan_0_{depth}` /
+`single_blocks_scan_0_{depth_single_blocks}` whose variables carry a leading "layers" axis.
+
+The param tree is a function of the architecture alone: the dot_general policy (which layers run
+FP8), remat and the compute dtype never rename a parameter, so FP8 and BF16 runs, the BF16 fallback,
+checkpoints, `init_from`, export and sampling share one tree (scanned and unscanned trees differ only
+by stacking, which the converter maps). The fp8_meta tree of an FP8 run likewise covers every block
+(see `fp8.make_policy`). Where the policy differs between layers of a scanned stack, the layers run
+as consecutive scans, one per run of layers with equal dot_general factories (`block_segments`),
+each reading its slice of the stack; `init` always builds the stack as one scan, so one seed gives
+the same params under every policy.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from flux_jax.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, dense
 from flux_jax.math import embed_nd, timestep_embedding
@@ -140,6 +150,105 @@ def _scan_single(block: nn.Module, x, vec, pe):
     return block(x, vec, pe), None
 
 
+# Collections whose leaves carry the leading "layers" axis of a scanned stack.
+SCANNED_COLLECTIONS = ("params", "fp8_meta", "fp8_weights")
+
+
+def _scan(body, length: int):
+    return nn.scan(
+        body,
+        variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+def _segment_name(start: int, stop: int) -> str:
+    return f"layers_{start}_{stop}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_stack(x, spans: tuple[tuple[int, int], ...]) -> tuple:
+    """The slices ``x[start:stop]`` of consecutive spans covering x's leading axis.
+
+    The gradient concatenates the slices' gradients: one buffer, where slicing's own transpose pads
+    each to the full stack and adds them (and cannot pad fp8_meta's max-combining dtype).
+    """
+    return tuple(lax.slice_in_dim(x, a, b) for a, b in spans)
+
+
+def _split_stack_fwd(x, spans):
+    return split_stack(x, spans), None
+
+
+def _split_stack_bwd(spans, _, cts):
+    return (lax.concatenate(list(cts), 0),)
+
+
+split_stack.defvjp(_split_stack_fwd, _split_stack_bwd)
+
+
+def split_layers(spans: tuple[tuple[int, int], ...], variables: dict) -> dict:
+    """{collection: stacked tree} -> {collection: {"layers_{start}_{stop}": the layers [start, stop)}}."""
+    out = {}
+    for col, tree in variables.items():
+        leaves, treedef = jax.tree.flatten(tree)
+        parts = [split_stack(x, spans) for x in leaves]
+        out[col] = {
+            _segment_name(a, b): treedef.unflatten([p[k] for p in parts]) for k, (a, b) in enumerate(spans)
+        }
+    return out
+
+
+def join_layers(spans: tuple[tuple[int, int], ...], variables: dict) -> dict:
+    """Inverse of ``split_layers``: the segments' layers concatenated back into one stack."""
+    return {
+        col: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(tree[_segment_name(a, b)] for a, b in spans))
+        for col, tree in variables.items()
+    }
+
+
+class _Segments(nn.Module):
+    """A scanned stack run as consecutive scans, one per segment of ``block_segments``; wrapped in
+    ``nn.map_variables`` so that it holds the stack whole and each scan sees its slice."""
+
+    make_block: Callable[..., nn.Module]
+    body: Callable
+    segments: tuple
+
+    @nn.compact
+    def __call__(self, carry, vec, pe):
+        for start, stop, (factory, mod_factory) in self.segments:
+            block = self.make_block(
+                dot_general_cls=factory,
+                modulation_dot_general_cls=mod_factory,
+                name=_segment_name(start, stop),
+            )
+            carry, _ = _scan(self.body, stop - start)(block, carry, vec, pe)
+        return carry
+
+
+def _check_uniform_state(kind: str, segments) -> None:
+    """Layers of one stack must hold the same variables: a dot with FP8 state and one without can't
+    share a stacked tree (a BF16 layer of an FP8 run holds its state: ``Fp8DotGeneral(enabled=False)``)."""
+
+    def what(factory) -> str:
+        return "None (no FP8 state)" if factory is None else "a dot_general module"
+
+    first = segments[0][2]
+    for start, _, factories in segments[1:]:
+        for which, a, b in zip(("", ".modulation"), first, factories, strict=True):
+            if (a is None) != (b is None):
+                raise ValueError(
+                    f"scan_blocks: the dot_general policy gives {kind}.0{which} {what(a)} but "
+                    f"{kind}.{start}{which} {what(b)}; the layers of a scanned stack must hold the same "
+                    "state. Give BF16 layers a dot that holds the FP8 state (as fp8.make_policy does) or "
+                    "set model.scan_blocks=False."
+                )
+
+
 class Flux(nn.Module):
     """BFL's Flux: (img, img_ids, txt, txt_ids, timesteps, y, guidance) -> (B, L, out_channels) f32."""
 
@@ -164,26 +273,36 @@ class Flux(nn.Module):
         return nn.remat(cls, policy=_REMAT_POLICIES[self.remat](), prevent_cse=not self.scan_blocks)
 
     def _run_blocks(self, kind: str, cls, n: int, carry, vec, pe, **kwargs):
-        block_cls = self._block_cls(cls)
+        make_block = functools.partial(self._block_cls(cls), **kwargs)
         body = _scan_double if kind == "double_blocks" else _scan_single
-        for start, stop, (factory, mod_factory) in block_segments(n, kind, self.dot_general_policy):
-            kwargs = dict(kwargs, dot_general_cls=factory, modulation_dot_general_cls=mod_factory)
-            if not self.scan_blocks:
+        segments = block_segments(n, kind, self.dot_general_policy)
+        if not self.scan_blocks:
+            for start, stop, (factory, mod_factory) in segments:
                 for i in range(start, stop):
-                    block = block_cls(**kwargs, name=f"{kind}_{i}")
+                    block = make_block(
+                        dot_general_cls=factory, modulation_dot_general_cls=mod_factory, name=f"{kind}_{i}"
+                    )
                     carry, _ = body(block, carry, vec, pe)
-                continue
-            scanned = nn.scan(
-                body,
-                variable_axes={"params": 0, "fp8_meta": 0, "fp8_weights": 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=stop - start,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            block = block_cls(**kwargs, name=f"{kind}_scan_{start}_{stop}")
-            carry, _ = scanned(block, carry, vec, pe)
-        return carry
+            return carry
+        if not segments:
+            return carry
+        _check_uniform_state(kind, segments)
+        name = f"{kind}_scan_0_{n}"
+        if len(segments) == 1 or self.is_initializing():
+            # One scan over the stack; at init also for a mixed policy, so the params (drawn per
+            # layer from the stack's rng) are those of every other policy.
+            factory, mod_factory = segments[0][2]
+            block = make_block(dot_general_cls=factory, modulation_dot_general_cls=mod_factory, name=name)
+            return _scan(body, n)(block, carry, vec, pe)[0]
+        spans = tuple((start, stop) for start, stop, _ in segments)
+        stack = nn.map_variables(
+            _Segments,
+            SCANNED_COLLECTIONS,
+            trans_in_fn=functools.partial(split_layers, spans),
+            trans_out_fn=functools.partial(join_layers, spans),
+            mutable=True,
+        )
+        return stack(make_block, body, tuple(segments), name=name)(carry, vec, pe)
 
     @nn.compact
     def __call__(self, img, img_ids, txt, txt_ids, timesteps, y, guidance=None) -> jax.Array:

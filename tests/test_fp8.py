@@ -289,10 +289,13 @@ def test_make_policy_sites():
         params,
         CPU,
     )
-    fp8_sites = [s for s in fp8.block_sites(params) if policy(s) is not None]
+    # Every block site holds FP8 state; the first/last ones run BF16 (enabled=False).
+    assert all(policy(s) is not None for s in fp8.block_sites(params))
+    fp8_sites = [s for s in fp8.block_sites(params) if policy(s)().enabled]
     assert fp8_sites == ["double_blocks.1", "single_blocks.0"]
     for site in ("img_in", "txt_in", "time_in", "vector_in", "guidance_in", "final_layer"):
         assert policy(site) is None
+    assert policy("double_blocks.0.modulation") is None  # fp8_modulation off: no state
     mod = policy("double_blocks.1")()
     assert isinstance(mod, Fp8DotGeneral) and mod.spec.bwd_dtype == jnp.float8_e5m2
     fnuz = fp8.make_policy(make_config(fp8="e4m3"), params, MI300)("single_blocks.2")()

@@ -1,6 +1,7 @@
 """Flux model: preset shapes, scan/remat equivalence, the dot_general hook, errors."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -95,24 +96,30 @@ def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
 
 
 class AmaxDot(nn.Module):
-    """A dot_general stand-in that records max |lhs| in the fp8_meta collection."""
+    """A dot_general stand-in that records max |lhs| in the fp8_meta collection (unless ``record`` is
+    off: then it holds the state unused, as a BF16 layer of an FP8 run does)."""
+
+    record: bool = True
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         amax = self.variable("fp8_meta", "amax", lambda: jnp.zeros((), jnp.float32))
-        if self.is_mutable_collection("fp8_meta"):
+        if self.record and self.is_mutable_collection("fp8_meta"):
             amax.value = jnp.maximum(amax.value, jnp.max(jnp.abs(lhs)))
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
 
+_HELD = functools.partial(AmaxDot, record=False)
+
+
 def _policy(site: str):
-    # A block's modulation site follows the block here, so double_blocks.0 has no state at all.
-    return (
-        None if site.removesuffix(".modulation") in ("double_blocks.0", "img_in", "final_layer") else AmaxDot
-    )
+    # double_blocks.0 (and its modulation) holds state without recording: a layer kept out of FP8.
+    if site.removesuffix(".modulation") in ("img_in", "final_layer"):
+        return None
+    return _HELD if site.startswith("double_blocks.0") else AmaxDot
 
 
-def test_dot_general_policy_reaches_each_site_and_splits_scan_segments():
+def test_dot_general_policy_reaches_each_site_and_keeps_one_tree():
     params = dataclasses.replace(PRESETS["tiny"], depth=2, depth_single_blocks=2)
     assert [(a, b) for a, b, _ in block_segments(2, "double_blocks", _policy)] == [(0, 1), (1, 2)]
     args = _inputs(params)
@@ -124,34 +131,40 @@ def test_dot_general_policy_reaches_each_site_and_splits_scan_segments():
         v = (
             base
             if not scan
-            else convert.load_torch_state_dict(
-                convert.export_bfl_state_dict(base, params), params, True, _policy
-            )
+            else convert.load_torch_state_dict(convert.export_bfl_state_dict(base, params), params, True)
         )
         out, state = model.apply({**v, "fp8_meta": meta}, *args, mutable=["fp8_meta"])
         outs.append(out)
         metas.append(state["fp8_meta"])
     plain, scanned = metas
-    assert set(plain) == {
-        "txt_in",
-        "time_in",
-        "vector_in",
-        "double_blocks_1",
-        "single_blocks_0",
-        "single_blocks_1",
-    }
-    assert set(scanned) == {
-        "txt_in",
-        "time_in",
-        "vector_in",
-        "double_blocks_scan_1_2",
-        "single_blocks_scan_0_2",
-    }
+    blocks = {"txt_in", "time_in", "vector_in"}
+    assert set(plain) == blocks | {"double_blocks_0", "double_blocks_1", "single_blocks_0", "single_blocks_1"}
+    # One stack per block kind, though double_blocks.0 runs a different dot: the tree ignores the policy.
+    assert set(scanned) == blocks | {"double_blocks_scan_0_2", "single_blocks_scan_0_2"}
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     qkv_plain = [plain[f"single_blocks_{i}"]["linear1"]["AmaxDot_0"]["amax"] for i in range(2)]
     qkv_scan = scanned["single_blocks_scan_0_2"]["linear1"]["AmaxDot_0"]["amax"]
     assert qkv_scan.shape == (2,) and float(qkv_plain[0]) > 0
     np.testing.assert_allclose(qkv_scan, qkv_plain, rtol=1e-5)
+    # The segment that holds its state leaves it as it was; the other records.
+    for path in (("img_attn", "qkv"), ("img_mod", "lin")):
+        leaf = scanned["double_blocks_scan_0_2"][path[0]][path[1]]["AmaxDot_0"]["amax"]
+        want = [0.0, float(plain["double_blocks_1"][path[0]][path[1]]["AmaxDot_0"]["amax"])]
+        assert want[1] > 0 and float(plain["double_blocks_0"][path[0]][path[1]]["AmaxDot_0"]["amax"]) == 0
+        np.testing.assert_allclose(leaf, want, rtol=1e-5)
+
+
+def test_scanned_stack_rejects_a_policy_mixing_state_and_none():
+    params = dataclasses.replace(PRESETS["tiny"], depth=2)
+
+    def policy(site):
+        return None if site.startswith("double_blocks.0") else AmaxDot
+
+    with pytest.raises(
+        ValueError,
+        match=r"double_blocks.0 None .* but double_blocks.1 a dot_general module.*scan_blocks=False",
+    ):
+        Flux(params, dot_general_policy=policy, scan_blocks=True).init(jax.random.key(0), *_inputs(params))
 
 
 def test_user_errors_are_clear():
