@@ -5,11 +5,11 @@ the value given and what is allowed; FP8 fields are checked against the platform
 ``fp8.validate_config``.
 """
 
-from flux_jax import flow, fp8, model, optim, sharding
+from flux_jax import choices, flow, fp8, model, optim, sharding
 
 _CHOICES = {
     "model.dtype": ("bfloat16", "float32"),
-    "model.attention": ("xla", "cudnn"),
+    "model.attention": choices.ATTENTION_CHOICES,
     "recompute_granularity": (None, "selective", "full"),
     "fp8": (None, "e4m3", "hybrid"),
     "lr_decay_style": optim.DECAY_STYLES,
@@ -39,22 +39,27 @@ def _get(config, dotted: str):
 
 
 def validate(
-    config, num_devices: int | None = None, process_count: int = 1, platform: str | None = None
+    config,
+    num_devices: int | None = None,
+    process_count: int = 1,
+    platform: str | None = None,
+    desc: fp8.DeviceDescription | None = None,
 ) -> None:
     """Raises one ValueError listing every invalid field, before anything is compiled.
 
-    With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``platform``
-    (``fp8.describe_device().platform``: "cuda", "rocm", "cpu", ...) the platform-bound choices.
+    With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``desc`` (a
+    platform description, ``fp8.describe_device()``) or just ``platform`` ("cuda", "rocm", "cpu", ...)
+    the platform-bound choices: an explicit attention or FP8 choice the platform cannot run is an
+    error, ``"auto"`` always passes (``choices.resolve`` picks what runs). FP8 fields are checked against
+    ``desc``, else against this machine's device.
     """
     bad = []
-    if platform is not None and config.model.attention == "cudnn" and platform != "cuda":
-        bad.append(
-            f"model.attention='cudnn' needs an NVIDIA GPU with cuDNN, and this platform is {platform!r}: "
-            "use --config.model.attention=xla"
-        )
-    for field, choices in _CHOICES.items():
-        if _get(config, field) not in choices:
-            bad.append(f"{field}={_get(config, field)!r} must be one of {choices}")
+    where = desc or (fp8.DeviceDescription(platform) if platform is not None else None)
+    if where is not None and (reason := choices.attention_error(config.model.attention, where)):
+        bad.append(reason)
+    for field, allowed in _CHOICES.items():
+        if _get(config, field) not in allowed:
+            bad.append(f"{field}={_get(config, field)!r} must be one of {allowed}")
     if config.model.preset not in model.PRESETS:
         bad.append(f"model.preset={config.model.preset!r} must be one of {sorted(model.PRESETS)}")
     positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "max_nonfinite_steps")
@@ -101,7 +106,7 @@ def validate(
             )
     if bad:
         raise ValueError("Invalid config: " + "; ".join(bad) + ".")
-    fp8.validate_config(config)
+    fp8.validate_config(config, desc)
 
 
 def data_parallel_size(config, num_devices: int) -> int:
