@@ -12,9 +12,9 @@ from flux_jax import fp8
 from flux_jax.math import IMPLEMENTATIONS
 
 ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
-# JAX's Pallas flash attention ran forward+backward slower than XLA's attention on the H100 at both
-# measured shapes (benchmarks/RESULTS.md, "Attention kernels"), so ROCm keeps XLA until a portable
-# kernel beats it; "pallas" stays selectable.
+# ROCm takes JAX's Pallas flash attention only once it is measured faster than XLA's attention
+# (benchmarks/attention.py; benchmarks/RESULTS.md, "Attention kernels"); until then XLA. "pallas" stays
+# selectable with --config.model.attention=pallas.
 ROCM_ATTENTION = "xla"
 GPU_PLATFORMS = ("cuda", "rocm")
 

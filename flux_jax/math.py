@@ -58,8 +58,8 @@ def apply_rope(x: jax.Array, pe: jax.Array) -> jax.Array:
 # "xla": jax.nn.dot_product_attention's XLA softmax(QK^T)V; "cudnn": its cuDNN fused kernel (NVIDIA);
 # "pallas": JAX's Pallas (Triton-lowered) flash attention, forward and backward (NVIDIA and ROCm).
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
-# Pallas flash attention tiles (benchmarks/attention.py, H100): forward 128 x 64 (queries x keys),
-# backward 64 x 64 for both the dK/dV and the dQ loops.
+# Pallas flash attention tiles (queries x keys): forward 128 x 64, backward 64 x 64 for both the dK/dV
+# and the dQ loops; benchmarks/attention.py times these against the kernel's defaults and neighbours.
 FLASH_BLOCKS = dict(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
 
