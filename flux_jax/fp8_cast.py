@@ -212,8 +212,14 @@ def shard_rows(local_cast, mesh, rows: int, candidates=None):
             return (q, q_t, amax) if transpose else (q, amax)
 
         out_specs = (rows_spec, cols_spec, P()) if transpose else (rows_spec, P())
+        # Manual over the candidate axes only: inside an outer shard_map its manual axes stay as they are.
         out = jax.shard_map(
-            local, mesh=mesh, in_specs=(rows_spec, P()), out_specs=out_specs, check_vma=False
+            local,
+            mesh=mesh,
+            in_specs=(rows_spec, P()),
+            out_specs=out_specs,
+            axis_names=frozenset(candidates),
+            check_vma=False,
         )(x, jnp.asarray(scale, jnp.float32))
         return out if transpose else (out[0], None, out[1])
 
