@@ -7,7 +7,12 @@ synthetic device-resident batches, after warm-up, as the median of many synchron
     python benchmarks/step.py --recipes "bf16,delayed,delayed@fp8_cast_kernel=xla"   # config variants
 
 FP8 recipes take the flux-535m config's FP8 fields, so ``fp8_cast_kernel="auto"`` (the Triton cast on
-one NVIDIA GPU); ``@field=value;field=value`` overrides any config field for one variant.
+NVIDIA); ``@field=value;field=value`` overrides any config field for one variant.
+
+``--as-rocm`` adds, for every variant, its twin ``rocm:VARIANT``: what an MI300X run of the same config
+would run (``flux_jax.choices`` on a gfx942 description: the ROCm attention, the XLA FP8 cast, the same
+FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``. The dtypes stay OCP E4M3/E5M2 (as on
+gfx950; gfx942's fnuz formats have the same bit widths and no FP8 GEMM here).
 
 Shapes:
   block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
@@ -46,7 +51,7 @@ import numpy as np
 from benchmarks import trace_summary
 from benchmarks.timing import median_seconds
 from configs import flux_535m
-from flux_jax import doctor, fp8, metrics, setup, sharding, steps
+from flux_jax import choices, doctor, fp8, metrics, setup, sharding, steps
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {
@@ -70,8 +75,14 @@ def parse_variant(variant: str) -> tuple[str, dict]:
     return recipe, overrides
 
 
+# What flux_jax.choices resolves on an MI300X; "rocm:" variants take its attention and FP8 cast.
+MI300X = fp8.DeviceDescription("rocm", "AMD Instinct MI300X", "gfx942")
+ROCM_PREFIX = "rocm:"
+
+
 def bench_config(shape: str, variant: str, args) -> tuple:
-    recipe, overrides = parse_variant(variant)
+    as_rocm = variant.startswith(ROCM_PREFIX)
+    recipe, overrides = parse_variant(variant.removeprefix(ROCM_PREFIX))
     depth, single, batch, side, txt_len = SHAPES[shape]
     if shape == "mlperf":
         depth, single, batch = args.depth, args.single, args.batch or batch
@@ -92,8 +103,15 @@ def bench_config(shape: str, variant: str, args) -> tuple:
         c.fp8 = args.format
         c.fp8_recipe = recipe
         c.fp8_amax_compute_algo = "max"
+    if as_rocm:
+        c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
+        choices.resolve(c, steps.flux_params(c), MI300X)
     for key, value in overrides.items():
-        c[key] = value
+        *path, leaf = key.split(".")  # "model.attention=pallas" reaches into sub-configs
+        target = c
+        for part in path:
+            target = target[part]
+        target[leaf] = value
     return c, batch, side, txt_len
 
 
@@ -256,6 +274,8 @@ def run_one(shape: str, recipe: str, args) -> dict:
         "images_per_sec": batch * args.micro / (ms / 1e3),
         "model_tflops": flops / (ms / 1e3) / 1e12,
         "fp8": use_fp8,
+        "attention": choices.attention_for(config, fp),
+        "fp8_cast_kernel": fp8.resolve_cast_kernel(config.fp8_cast_kernel) if use_fp8 else None,
         "compile_s": compile_s,
         **memory,
         "process_peak_bytes": allocator_peak(),
@@ -292,6 +312,21 @@ def add_mfu(r: dict, peaks: dict) -> None:
     peak = peaks.get(r["fp8"]) or metrics.peak_flops(r["device"], r["fp8"])
     r["mfu"] = r["model_tflops"] * 1e12 / peak if peak else None
     r["mfu_peak_tflops"] = peak / 1e12 if peak else None
+
+
+def compare_to_bf16(base: dict | None, results: list[dict], isolated: bool) -> None:
+    """Adds each result's speedup and memory against ``base`` (the BF16 step of the same path)."""
+    if base is None:
+        return
+    for r in results:
+        r["speedup_vs_bf16"] = base["ms_per_step"] / r["ms_per_step"]
+        if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
+            r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
+            r["temp_memory_vs_bf16"] = r["memory_gib"]["temp"] / base["memory_gib"]["temp"]
+        if isolated and base["process_peak_bytes"] and r["process_peak_bytes"]:
+            r["peak_memory_vs_bf16"] = r["process_peak_bytes"] / base["process_peak_bytes"]
+        if r is not base and (bound := gemm_only_bound(base, r)) is not None:
+            r["gemm_only_bound_vs_bf16"] = bound
 
 
 def run_in_process(variants: list[str], args) -> list[dict]:
@@ -341,7 +376,8 @@ def main(argv=None) -> int:
         help="comma list of bf16|delayed|tensorwise|rowwise, each optionally @field=value;field=value",
     )
     p.add_argument("--format", default="hybrid", choices=fp8.FORMATS)
-    p.add_argument("--attention", default="cudnn", choices=("xla", "cudnn"))
+    p.add_argument("--attention", default="auto", choices=choices.ATTENTION_CHOICES)
+    p.add_argument("--as-rocm", action="store_true", help="add each variant's ROCm-path twin (rocm:VARIANT)")
     p.add_argument("--remat", default=None, choices=(None, "selective", "full"))
     p.add_argument("--scan", action="store_true")
     p.add_argument("--depth", type=int, default=2)
@@ -368,13 +404,17 @@ def main(argv=None) -> int:
     if args.micro < 1:
         p.error(f"--micro {args.micro}: the number of micro batches per step must be >= 1")
     variants = args.recipes.split(",")
+    if args.as_rocm:
+        variants += [ROCM_PREFIX + v for v in variants if not v.startswith(ROCM_PREFIX)]
+        # The children get the variants one by one and must not add twins again.
+        argv = [a for a in argv if a != "--as-rocm"]
     if args.isolate and not args.compile_only and len(variants) > 1:
         results = run_isolated(variants, argv)
     else:
-        if args.attention == "cudnn" and jax.default_backend() != "gpu":
+        if args.attention in ("cudnn", "pallas") and jax.default_backend() != "gpu":
             p.error(
-                f"--attention cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()!r}: "
-                "use --attention xla"
+                f"--attention {args.attention} needs a GPU; this backend is {jax.default_backend()!r}: "
+                "use --attention auto or xla"
             )
         results = run_in_process(variants, args)
     for r in results:
@@ -390,24 +430,18 @@ def main(argv=None) -> int:
                 f"compile {r['compile_s']:.1f} s  {mem:.1f} GiB"
             )
         return 0
-    base = next((r for r in results if r["recipe"] == "bf16"), None)
-    if base:
-        for r in results:
-            r["speedup_vs_bf16"] = base["ms_per_step"] / r["ms_per_step"]
-            if base["compiled_memory_bytes"] and r["compiled_memory_bytes"]:
-                r["memory_vs_bf16"] = r["compiled_memory_bytes"] / base["compiled_memory_bytes"]
-                r["temp_memory_vs_bf16"] = r["memory_gib"]["temp"] / base["memory_gib"]["temp"]
-            if args.isolate and base["process_peak_bytes"] and r["process_peak_bytes"]:
-                r["peak_memory_vs_bf16"] = r["process_peak_bytes"] / base["process_peak_bytes"]
-            if r is not base and (bound := gemm_only_bound(base, r)) is not None:
-                r["gemm_only_bound_vs_bf16"] = bound
-    print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s")
+    for prefix in ("", ROCM_PREFIX):
+        base = next((r for r in results if r["recipe"] == prefix + "bf16"), None)
+        path = [r for r in results if r["recipe"].startswith(ROCM_PREFIX) == bool(prefix)]
+        compare_to_bf16(base, path, args.isolate)
+    print(f"{'recipe':<28} ms/step  img/s  TFLOP/s  MFU   xBF16  mem   fp8 gemms/all  compile s  attention")
     for r in results:
         mfu = f"{r['mfu']:.2f}" if r["mfu"] else "  - "
         print(
             f"{r['recipe']:<28} {r['ms_per_step']:8.2f} {r['images_per_sec']:6.1f} {r['model_tflops']:8.1f} "
             f"{mfu:>5} {r.get('speedup_vs_bf16', 1):6.2f} {r.get('memory_vs_bf16', 1):5.2f} "
-            f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}"
+            f"{r['fp8_gemm_custom_calls']:>5}/{r['gemm_custom_calls']:<5} {r['compile_s']:8.1f}  "
+            f"{r['attention']}"
         )
     for r in results:
         peak = r["process_peak_bytes"]

@@ -26,7 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.guidance_embed = placeholder(bool)  # dev-style guidance input
     c.model.dtype = "bfloat16"  # compute dtype: "bfloat16" | "float32"
     c.model.scan_blocks = False  # nn.scan over equal blocks: faster compiles for deep models
-    c.model.attention = "cudnn"  # "xla" | "cudnn" (jax.nn.dot_product_attention on GPU)
+    c.model.attention = "auto"  # "auto" (per platform: flux_jax.choices) | "xla" | "cudnn" | "pallas"
     c.recompute_granularity = placeholder(str)  # activation checkpointing: None | "selective" | "full"
 
     c.fp8 = placeholder(str)  # None = BF16 | "e4m3" | "hybrid" (E5M2 grads)
@@ -37,7 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.fp8_wgrad = True  # False keeps the weight-gradient GEMM in 16 bits
     c.fp8_format_family = "auto"  # "auto" (from the platform) | "ocp" | "fnuz"
     c.fp8_modulation = False  # FP8 also for the per-sample modulation GEMMs (M = batch size)
-    c.fp8_cast_kernel = "auto"  # "auto" (jax-triton cast on one NVIDIA GPU, else xla) | "xla" | "triton"
+    c.fp8_cast_kernel = "auto"  # "auto" (jax-triton cast on NVIDIA, else xla) | "xla" | "triton"
     c.fp8_cache_weights = True  # accumulation: cast FP8 kernels once a step, not per micro batch (+2 B/param)
     c.first_last_layers_bf16 = False  # keep the first/last blocks out of FP8
     c.num_layers_at_start_in_bf16 = 1  # used when first_last_layers_bf16 (double then single blocks)

@@ -6,12 +6,12 @@ against the device by ``fp8.config_problems`` and the logical-axis rules by ``sh
 their problems join the same error.
 """
 
-from flux_jax import flow, fp8, model, optim, sharding
+from flux_jax import choices, flow, fp8, model, optim, sharding
 from flux_jax.errors import UserError
 
 _CHOICES = {
     "model.dtype": ("bfloat16", "float32"),
-    "model.attention": ("xla", "cudnn"),
+    "model.attention": choices.ATTENTION_CHOICES,
     "recompute_granularity": (None, "selective", "full"),
     "fp8": (None, "e4m3", "hybrid"),
     "lr_decay_style": optim.DECAY_STYLES,
@@ -41,22 +41,27 @@ def _get(config, dotted: str):
 
 
 def validate(
-    config, num_devices: int | None = None, process_count: int = 1, platform: str | None = None
+    config,
+    num_devices: int | None = None,
+    process_count: int = 1,
+    platform: str | None = None,
+    desc: fp8.DeviceDescription | None = None,
 ) -> None:
     """Raises one ValueError listing every invalid field, before anything is compiled.
 
-    With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``platform``
-    (``fp8.describe_device().platform``: "cuda", "rocm", "cpu", ...) the platform-bound choices.
+    With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``desc`` (a
+    platform description, ``fp8.describe_device()``) or just ``platform`` ("cuda", "rocm", "cpu", ...)
+    the platform-bound choices: an explicit attention or FP8 choice the platform cannot run is an
+    error, ``"auto"`` always passes (``choices.resolve`` picks what runs). FP8 fields are checked against
+    ``desc``, else against this machine's device.
     """
     bad = []
-    if platform is not None and config.model.attention == "cudnn" and platform != "cuda":
-        bad.append(
-            f"model.attention='cudnn' needs an NVIDIA GPU with cuDNN, and this platform is {platform!r}: "
-            "use --config.model.attention=xla"
-        )
-    for field, choices in _CHOICES.items():
-        if field != "fp8" and _get(config, field) not in choices:  # fp8: fp8.config_problems
-            bad.append(f"{field}={_get(config, field)!r} must be one of {choices}")
+    where = desc or (fp8.DeviceDescription(platform) if platform is not None else None)
+    if where is not None and (reason := choices.attention_error(config.model.attention, where)):
+        bad.append(reason)
+    for field, allowed in _CHOICES.items():
+        if field != "fp8" and _get(config, field) not in allowed:  # fp8: fp8.config_problems
+            bad.append(f"{field}={_get(config, field)!r} must be one of {allowed}")
     if config.model.preset not in model.PRESETS:
         bad.append(f"model.preset={config.model.preset!r} must be one of {sorted(model.PRESETS)}")
     positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "max_nonfinite_steps")
@@ -79,7 +84,7 @@ def validate(
         bad.append(f"data.image_size={config.data.image_size} must be a multiple of 16")
     if not 0.0 <= config.data.cfg_dropout_prob <= 1.0:
         bad.append(f"data.cfg_dropout_prob={config.data.cfg_dropout_prob} must be in [0, 1]")
-    bad += [problem.removeprefix("config.") for problem in fp8.config_problems(config)]
+    bad += [problem.removeprefix("config.") for problem in fp8.config_problems(config, desc)]
     try:
         sharding.parse_rules(config.get("logical_axis_rules", "") or "")
     except ValueError as err:

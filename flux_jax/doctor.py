@@ -9,7 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from flux_jax import cli, fp8
+from flux_jax import choices, cli, fp8
 from flux_jax.fp8_dot import Fp8DotGeneral, Fp8Spec
 
 # Custom-call targets of FP8 GEMMs: cuBLASLt on CUDA, hipBLASLt on ROCm (same target name there).
@@ -89,7 +89,12 @@ def report() -> dict:
         "device_count": jax.device_count(),
         "format_family": family,
         "e4m3_dtype": jnp.dtype(fwd).name,
+        "e4m3_max": float(jnp.finfo(fwd).max),
         "e5m2_dtype": jnp.dtype(bwd).name,
+        "e5m2_max": float(jnp.finfo(bwd).max),
+        # What "auto" becomes here (flux_jax.choices) for a bf16 model with 128-wide heads (FLUX).
+        "attention_auto": choices.auto_attention(desc, 128, "bfloat16"),
+        "fp8_cast_kernel_auto": fp8.resolve_cast_kernel("auto", desc),
         "fp8_gemm_supported": fp8.supports_fp8_gemm(desc),
         "block_scaled_gemm_supported": fp8.supports_block_scaled_gemm(desc),
     }

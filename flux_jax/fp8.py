@@ -11,6 +11,7 @@ numerically sensitive boundary, as in Primus / Transformer Engine recipes.
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -173,9 +174,15 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
     kernel = _get(config, "fp8_cast_kernel", "xla")
     if kernel not in ("auto", *CAST_KERNELS):
         bad.append(f"config.fp8_cast_kernel={kernel!r} is unknown; use 'auto' or one of {CAST_KERNELS}")
-    elif kernel == "triton" and (reason := triton_available()):
-        bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'")
     desc = desc or describe_device()
+    if kernel == "triton" and (reason := triton_available(_gpu_platform(desc))):
+        bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'")
+    if kernel == "triton" and _is_rocm(desc):
+        warnings.warn(
+            "config.fp8_cast_kernel='triton' on ROCm: the Triton cast is checked bit-equal to the XLA cast "
+            "on NVIDIA GPUs only and has not run on an AMD GPU; 'auto' uses the XLA cast there.",
+            stacklevel=2,
+        )
     if not supports_fp8_gemm(desc):
         bad.append(
             f"config.fp8={fmt!r} but this device ({desc.platform} {desc.device_kind!r}, compute "
@@ -210,15 +217,22 @@ def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:
         amax_compute_algo=_get(config, "fp8_amax_compute_algo", "max"),
         margin=float(_get(config, "fp8_margin", 0)),
         wgrad=bool(_get(config, "fp8_wgrad", True)),
-        cast_kernel=resolve_cast_kernel(_get(config, "fp8_cast_kernel", "xla")),
+        cast_kernel=resolve_cast_kernel(_get(config, "fp8_cast_kernel", "xla"), desc),
     )
 
 
-def resolve_cast_kernel(kernel: str) -> str:
-    """'auto' -> 'triton' on one NVIDIA GPU with jax-triton installed, else 'xla'."""
+def _gpu_platform(desc: DeviceDescription) -> str:
+    """ "cuda" / "rocm" for GPUs (whatever the backend calls them), else the platform."""
+    return "rocm" if _is_rocm(desc) else desc.platform
+
+
+def resolve_cast_kernel(kernel: str, desc: DeviceDescription | None = None) -> str:
+    """'auto' -> 'triton' on an NVIDIA GPU with jax-triton installed (on meshes too: the cast runs per
+    shard), else 'xla' (ROCm included, until the Triton cast has run on an AMD GPU)."""
     if kernel != "auto":
         return kernel
-    return "triton" if triton_available() is None else "xla"
+    platform = _gpu_platform(desc or describe_device())
+    return "triton" if platform == "cuda" and triton_available(platform) is None else "xla"
 
 
 def block_sites(flux_params) -> list[str]:

@@ -6,7 +6,9 @@ implementations with one contract, ``cast(x, dtype, scale, transpose, via) -> (q
 
 - ``"xla"``: plain jnp; XLA fuses what it can. Runs everywhere (CPU tests, CUDA, ROCm).
 - ``"triton"``: one jax-triton kernel that reads ``x`` once and writes ``q``, ``q.T`` and
-  per-tile amaxes (NVIDIA GPUs; needs the ``gpu`` extra). Bit-identical to ``"xla"``.
+  per-tile amaxes (NVIDIA GPUs; needs the ``gpu`` extra). Bit-identical to ``"xla"``. On a mesh of
+  several devices it runs under ``shard_map`` on each device's rows, the amax reduced by max across
+  them, so sharded runs keep it (``shard_rows``).
 
 Scale convention as in ``fp8_dot``: ``q = clip(x / scale, -max, max)``. ``via`` (optional) is a
 16-bit dtype ``x`` is rounded to first: a float32 master kernel is cast as the bf16 copy of it would
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 CAST_KERNELS = ("xla", "triton")
 
@@ -60,22 +63,17 @@ def cast_xla(x, dtype, scale, transpose: bool, via=None):
     return q, (q.T if transpose else None), amax_of(x)
 
 
-def triton_available() -> str | None:
-    """None when the triton cast can run here, else the reason it cannot."""
-    if jax.default_backend() != "gpu":
-        return f"the default JAX backend is {jax.default_backend()!r}, not a GPU"
-    device = jax.devices()[0]
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    if "rocm" in version or "hip" in version:
-        return "the Triton cast kernel is untested on ROCm"
+def triton_available(platform: str | None = None) -> str | None:
+    """None when the triton cast can run on ``platform`` ("cuda", "rocm", "cpu", ...; default: this
+    machine's backend), else the reason it cannot. ROCm is allowed (Triton targets AMD GPUs too)."""
+    if platform is None:
+        platform = jax.default_backend()
+    if platform not in ("gpu", "cuda", "rocm"):
+        return f"the platform is {platform!r}, not a GPU"
     try:
         import jax_triton  # noqa: F401
     except ImportError:
         return "jax-triton is not installed (pip install 'flux_jax[gpu]')"
-    if jax.device_count() > 1:
-        return (
-            f"this run sees {jax.device_count()} devices and the kernel is not partitioned (one device only)"
-        )
     return None
 
 
@@ -161,5 +159,68 @@ def cast(x, dtype, scale, transpose: bool, kernel: str = "xla", via=None):
     if via is not None and jnp.dtype(via) == x.dtype:
         via = None
     if kernel == "triton" and x.ndim == 2 and np.prod(x.shape) > 0:
-        return cast_triton(x, dtype, scale, transpose, via)
+        return partitioned(cast_triton)(x, dtype, scale, transpose, via)
     return cast_xla(x, dtype, scale, transpose, via)
+
+
+def partitioned(local_cast):
+    """``local_cast`` (a per-device cast with ``cast``'s contract) made safe on the current mesh: under
+    ``shard_map`` over its auto axes when the mesh (``jax.set_mesh``) has several devices, else itself.
+
+    A custom call such as the Triton kernel has no partitioning rule, so XLA could not split it across
+    devices; under ``shard_map`` each device casts its own rows and only the amax crosses devices.
+    """
+
+    def run(x, dtype, scale, transpose, via=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = tuple(
+            name
+            for name, kind in zip(mesh.axis_names, mesh.axis_types)
+            if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1
+        )
+        if not auto:
+            return local_cast(x, dtype, scale, transpose, via)
+        return shard_rows(local_cast, mesh, x.shape[0], auto)(x, dtype, scale, transpose, via)
+
+    return run
+
+
+def row_axes(mesh, rows: int, candidates) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) whose sizes multiply to a divisor of ``rows``, taken greedily."""
+    axes, size = [], 1
+    for name in candidates:
+        if rows % (size * mesh.shape[name]) == 0:
+            axes.append(name)
+            size *= mesh.shape[name]
+    return tuple(axes)
+
+
+def shard_rows(local_cast, mesh, rows: int, candidates=None):
+    """``local_cast`` under ``shard_map``: x's rows split over the mesh axes that divide them (the rest
+    of the mesh holds copies), q split like x, q.T by columns, the amax the max over all devices. The
+    result is that of ``local_cast`` on the whole of x, bit for bit: the cast is elementwise and a max
+    does not depend on the order it is taken in."""
+    candidates = mesh.axis_names if candidates is None else candidates
+    axes = row_axes(mesh, rows, candidates) or None
+    rows_spec, cols_spec = P(axes, None), P(None, axes)
+
+    def run(x, dtype, scale, transpose, via=None):
+        def local(x_local, scale):
+            q, q_t, amax = local_cast(x_local, dtype, scale, transpose, via)
+            if axes:
+                amax = lax.pmax(amax, axes)
+            return (q, q_t, amax) if transpose else (q, amax)
+
+        out_specs = (rows_spec, cols_spec, P()) if transpose else (rows_spec, P())
+        # Manual over the candidate axes only: inside an outer shard_map its manual axes stay as they are.
+        out = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rows_spec, P()),
+            out_specs=out_specs,
+            axis_names=frozenset(candidates),
+            check_vma=False,
+        )(x, jnp.asarray(scale, jnp.float32))
+        return out if transpose else (out[0], None, out[1])
+
+    return run

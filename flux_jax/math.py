@@ -1,7 +1,8 @@
 """Pure numerical pieces of FLUX.1: timestep embedding, RoPE and joint attention.
 
 Layout is B L H D throughout (batch, tokens, heads, head_dim), the layout
-`jax.nn.dot_product_attention` takes, so no transposes sit around attention.
+`jax.nn.dot_product_attention` and JAX's Pallas flash attention take, so no transposes sit around
+attention.
 """
 
 import math
@@ -54,12 +55,58 @@ def apply_rope(x: jax.Array, pe: jax.Array) -> jax.Array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
+# "xla": jax.nn.dot_product_attention's XLA softmax(QK^T)V; "cudnn": its cuDNN fused kernel (NVIDIA);
+# "pallas": JAX's Pallas (Triton-lowered) flash attention, forward and backward (NVIDIA and ROCm).
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
+# Pallas flash attention tiles (queries x keys): forward 128 x 64, backward 64 x 64 for both the dK/dV
+# and the dQ loops; benchmarks/attention.py times these against the kernel's defaults and neighbours.
+FLASH_BLOCKS = dict(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array, implementation: str = "xla"
 ) -> jax.Array:
     """Rotary joint attention, no mask: (B, L, H, D) x3 -> (B, L, H*D)."""
-    if implementation not in ("xla", "cudnn"):
-        raise ValueError(f"attention implementation must be 'xla' or 'cudnn', got {implementation!r}.")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
+        )
     q, k = apply_rope(q, pe), apply_rope(k, pe)
-    out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+    if implementation == "pallas":
+        out = flash_attention(q, k, v)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
     return out.reshape(*out.shape[:-2], -1)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: dict | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v by JAX's Pallas GPU flash attention, (B, L, H, D) -> (B, L, H, D).
+
+    The kernel tiles the sequence, so L is padded to a whole number of tiles; the padding tokens get
+    segment id 0 and the real ones 1, so no real query attends to padding. Off GPU the kernel runs in
+    the Pallas interpreter (tests).
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    blocks = dict(FLASH_BLOCKS if blocks is None else blocks)
+    length = q.shape[1]
+    # Tiles are powers of two of at least 16 (Triton's smallest dot); short sequences take one tile.
+    tile = max(16, min(max(blocks.values()), 1 << (length - 1).bit_length()))
+    blocks = {name: min(size, tile) for name, size in blocks.items()}
+    padded = -(-length // tile) * tile
+    segment_ids = None
+    if padded != length:
+        pad = ((0, 0), (0, padded - length), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        real = (jnp.arange(padded) < length).astype(jnp.int32)
+        segment_ids = jnp.broadcast_to(real, (q.shape[0], padded))
+    out = pallas_attention.mha(
+        q,
+        k,
+        v,
+        segment_ids,
+        sm_scale=1.0 / math.sqrt(q.shape[-1]),
+        block_sizes=pallas_attention.BlockSizes(**blocks),
+        interpret=jax.default_backend() == "cpu",
+    )
+    return out[:, :length]

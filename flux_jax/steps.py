@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flux_jax import flow, fp8, model
+from flux_jax import choices, flow, fp8, model
 
 
 def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
@@ -19,7 +19,7 @@ def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
         dot_general_policy=fp8.make_policy(config, fp) if use_fp8 else None,
         scan_blocks=config.model.scan_blocks,
         remat=config.recompute_granularity,
-        attention_impl=config.model.attention,
+        attention_impl=choices.attention_for(config, fp),
     )
 
 

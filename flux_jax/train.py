@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from flux_jax import (
     checkpoint,
+    choices,
     cli,
     config_check,
     flow,
@@ -65,7 +66,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     Returns the final metrics: last train loss, last validation loss, steps run, skipped steps.
     """
     # ---- Config -------------------------------------------------------------------------------
-    config_check.validate(config, jax.device_count(), jax.process_count(), fp8.describe_device().platform)
+    desc = fp8.describe_device()
+    config_check.validate(config, jax.device_count(), jax.process_count(), desc=desc)
+    fp = setup.flux_params(config)
+    # "auto" attention / FP8 cast / FP8 dtypes become this platform's values, logged and in config.json.
+    resolved = choices.resolve(config, fp, desc)
+    log.info(
+        "Platform %s %s: %s",
+        desc.platform,
+        desc.device_kind,
+        ", ".join(f"{field}={value}" for field, value in resolved.items()),
+    )
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:

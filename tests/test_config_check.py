@@ -43,7 +43,7 @@ def test_cudnn_attention_off_nvidia_names_the_field_and_the_fix():
     c.model.attention = "cudnn"
     config_check.validate(c, platform="cuda")
     for platform in ("cpu", "rocm"):
-        with pytest.raises(ValueError, match=r"model\.attention='cudnn' .*--config\.model\.attention=xla"):
+        with pytest.raises(ValueError, match=r"model\.attention='cudnn' .*--config\.model\.attention=auto"):
             config_check.validate(c, platform=platform)
 
 

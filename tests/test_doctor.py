@@ -44,6 +44,11 @@ def test_report_on_this_machine():
     r = doctor.report()
     assert r["platform"] == jax.devices()[0].platform or r["platform"] in ("cuda", "rocm")
     assert r["e4m3_dtype"].startswith("float8_e4m3")
+    # The maxima of the dtypes chosen for this platform: 240 for gfx942's fnuz E4M3, 448 for OCP.
+    assert r["e4m3_max"] == (240.0 if r["format_family"] == "fnuz" else 448.0)
+    assert r["e5m2_max"] == 57344.0
+    assert r["attention_auto"] in ("xla", "cudnn", "pallas")
+    assert r["fp8_cast_kernel_auto"] in ("xla", "triton")
     if jax.default_backend() == "cpu":
         assert r["fp8_gemms_compiled"] is False
 

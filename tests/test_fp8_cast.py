@@ -124,3 +124,82 @@ def test_fp8_matmul_with_triton_cast_equals_xla_cast(recipe):
     for w_, g_ in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         w_, g_ = np.asarray(w_, np.float32), np.asarray(g_, np.float32)
         assert np.max(np.abs(g_ - w_)) <= 1e-2 * np.max(np.abs(w_)) + 1e-30
+
+
+def _cpu_mesh(shape=(4, 2), names=("data", "fsdp")):
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+@pytest.mark.parametrize("shape,transpose", [((64, 48), True), ((36, 24), True), ((6, 16), False)])
+def test_partitioned_cast_on_a_mesh_is_bit_equal_to_the_whole_cast(shape, transpose):
+    # The shard_map wiring the Triton cast uses on meshes, run with the XLA cast as the per-device kernel:
+    # rows split over the axes that divide them (64: data x fsdp, 36: data only, 6: fsdp only).
+    x = _x(shape, 7)
+    scale = jnp.float32(float(jnp.max(jnp.abs(x))) / 448 * 0.5)
+    run = fp8_cast.partitioned(fp8_cast.cast_xla)
+    want = jax.jit(fp8_cast.cast_xla, static_argnums=(1, 3))(x, jnp.float8_e4m3fn, scale, transpose)
+    with jax.set_mesh(_cpu_mesh()):
+        f = jax.jit(lambda x, s: run(x, jnp.float8_e4m3fn, s, transpose))
+        assert "shard_map" in str(jax.make_jaxpr(f)(x, scale))
+        got = f(x, scale)
+    for w, g in zip(want[:2], got[:2]):
+        if w is None:
+            assert g is None
+            continue
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert float(got[2]) == float(want[2]) == float(jnp.max(jnp.abs(x)))
+
+
+def test_row_axes_take_the_mesh_axes_that_divide_the_rows():
+    mesh = _cpu_mesh()
+    assert fp8_cast.row_axes(mesh, 64, ("data", "fsdp")) == ("data", "fsdp")
+    assert fp8_cast.row_axes(mesh, 36, ("data", "fsdp")) == ("data",)
+    assert fp8_cast.row_axes(mesh, 6, ("data", "fsdp")) == ("fsdp",)
+    assert fp8_cast.row_axes(mesh, 3, ("data", "fsdp")) == ()
+
+
+def test_triton_kernel_choice_runs_per_shard_on_a_mesh(monkeypatch):
+    # The "triton" path of fp8_matmul on an 8-device mesh, the kernel replaced by the XLA cast (no GPU
+    # here): every cast goes through shard_map on local rows, and the results equal the XLA path's.
+    seen = []
+
+    def local_cast(x, dtype, scale, transpose, via=None):
+        seen.append(x.shape)
+        return fp8_cast.cast_xla(x, dtype, scale, transpose, via)
+
+    monkeypatch.setattr(fp8_cast, "cast_triton", local_cast)
+    x, w, g = _x((64, 32), 1), _x((32, 16), 2, scale=0.05), _x((64, 16), 3, scale=1e-3)
+    meta = {
+        f"{n}_{k}": v
+        for n in ("input", "kernel", "output_grad")
+        for k, v in (("amax_history", jnp.full((4,), 2.0, jnp.float32)), ("scale", jnp.float32(2.0 / 448)))
+    }
+
+    def run(kernel):
+        spec = Fp8Spec(amax_history_len=4, cast_kernel=kernel)
+        f = lambda x, w, meta: fp8_matmul(x, w, meta, None, spec, jnp.bfloat16)  # noqa: E731
+        y, vjp = jax.vjp(f, x, w, meta)
+        return y, *vjp(g.astype(y.dtype))
+
+    with jax.set_mesh(_cpu_mesh()):
+        want, got = jax.jit(lambda: run("xla"))(), jax.jit(lambda: run("triton"))()
+    # Per device: the kernel (32 x 16), the output gradient (64 x 16) and the input (64 x 32), by rows.
+    assert sorted(seen) == [(4, 16), (8, 16), (8, 32)]
+    for w_, g_ in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g_, np.float32), np.asarray(w_, np.float32))
+
+
+@gpu_only
+@pytest.mark.parametrize("transpose", [True, False])
+def test_triton_cast_under_shard_map_is_bit_equal_to_xla(transpose):
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = _x((3072, 1536), 11)
+    dtype = jnp.float8_e4m3fn
+    scale = jnp.float32(float(jnp.max(jnp.abs(x))) / fp8_cast.fp8_max(dtype) * 0.5)
+    want = jax.jit(fp8_cast.cast_xla, static_argnums=(1, 3))(x, dtype, scale, transpose)
+    sharded = fp8_cast.shard_rows(fp8_cast.cast_triton, mesh, x.shape[0])
+    got = jax.jit(lambda x, s: sharded(x, dtype, s, transpose))(x, scale)
+    for w, g in zip(want[:2], got[:2]):
+        if w is not None:
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert float(got[2]) == float(want[2])

@@ -2,11 +2,12 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux_jax.math import apply_rope, attention, embed_nd, rope, timestep_embedding
+from flux_jax.math import apply_rope, attention, embed_nd, flash_attention, rope, timestep_embedding
 
 
 def test_timestep_embedding_is_cos_first_float32():
@@ -70,3 +71,46 @@ def test_attention_matches_softmax_reference_at_zero_positions():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="implementation"):
         attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), pe, implementation="flash")
+
+
+def _qkv(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.normal(size=shape), dtype) for _ in range(4)]
+
+
+def _fwd_bwd(attend, q, k, v, g):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, *vjp(g)
+
+
+@pytest.mark.parametrize("length", [32, 20])  # 20: padded to a tile, the padding masked out
+def test_pallas_flash_attention_matches_xla_values_and_gradients(length):
+    # The Pallas interpreter on the CPU: the kernel's own code, forward and backward.
+    q, k, v, g = _qkv((2, length, 2, 16), jnp.float32, length)
+    blocks = dict(block_q=16, block_k=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16)
+    got = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, blocks), q, k, v, g)
+    want = _fwd_bwd(jax.nn.dot_product_attention, q, k, v, g)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_pallas_applies_rope_first():
+    q, k, v, _ = _qkv((1, 16, 2, 16), jnp.float32, 3)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 9, size=(1, 16, 3)), jnp.float32)
+    pe = embed_nd(ids, (4, 6, 6), 10_000)
+    np.testing.assert_allclose(
+        np.asarray(attention(q, k, v, pe, "pallas")), np.asarray(attention(q, k, v, pe, "xla")), atol=1e-5
+    )
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs a GPU")
+@pytest.mark.parametrize("length", [1536, 300])
+def test_pallas_flash_attention_on_gpu_matches_xla(length):
+    q, k, v, g = _qkv((2, length, 4, 128), jnp.bfloat16, length)
+    got = jax.jit(lambda *a: _fwd_bwd(flash_attention, *a))(q, k, v, g)
+    want = jax.jit(lambda *a: _fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), *a))(
+        *(x.astype(jnp.float32) for x in (q, k, v, g))
+    )
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2

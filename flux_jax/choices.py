@@ -1,0 +1,71 @@
+"""Platform-bound config choices: ``"auto"`` resolved against the device at start-up, explicit ones checked.
+
+``model.attention``: "cudnn" on NVIDIA (16-bit compute, a head dim cuDNN takes); on ROCm
+``ROCM_ATTENTION``, the fastest portable choice measured (benchmarks/RESULTS.md); "xla" elsewhere.
+``fp8_cast_kernel``: "triton" (the jax-triton cast) on NVIDIA with jax-triton installed, "xla" elsewhere;
+on ROCm "xla" until the Triton cast has run on an AMD GPU. ``fp8_format_family``: "fnuz" on gfx94x
+(MI300X/MI325X), "ocp" elsewhere. ``resolve`` writes the resolved values into the config, so they are
+what the run logs and saves in config.json.
+"""
+
+from flux_jax import fp8
+from flux_jax.math import IMPLEMENTATIONS
+
+ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
+# ROCm takes JAX's Pallas flash attention only once it is measured faster than XLA's attention
+# (benchmarks/attention.py; benchmarks/RESULTS.md, "Attention kernels"); until then XLA. "pallas" stays
+# selectable with --config.model.attention=pallas.
+ROCM_ATTENTION = "xla"
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def cudnn_takes(head_dim: int, dtype: str) -> bool:
+    """Whether cuDNN's fused attention runs this model: 16-bit compute, head dim a multiple of 8 up to 256."""
+    return dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256
+
+
+def auto_attention(desc: fp8.DeviceDescription, head_dim: int, dtype: str) -> str:
+    if desc.platform == "cuda" and cudnn_takes(head_dim, dtype):
+        return "cudnn"
+    if desc.platform == "rocm":
+        return ROCM_ATTENTION
+    return "xla"
+
+
+def attention_error(choice: str, desc: fp8.DeviceDescription) -> str | None:
+    """Why an explicit ``model.attention`` cannot run on this platform, or None."""
+    if choice == "cudnn" and desc.platform != "cuda":
+        return (
+            "model.attention='cudnn' needs an NVIDIA GPU with cuDNN, and this platform is "
+            f"{desc.platform!r}: use --config.model.attention=auto (or xla)"
+        )
+    if choice == "pallas" and desc.platform not in GPU_PLATFORMS:
+        return (
+            f"model.attention='pallas' (JAX's Pallas flash attention) needs an NVIDIA or AMD GPU, and this "
+            f"platform is {desc.platform!r}: use --config.model.attention=auto (or xla)"
+        )
+    return None
+
+
+def attention_for(config, flux_params, desc: fp8.DeviceDescription | None = None) -> str:
+    """``config.model.attention``, with ``"auto"`` resolved on ``desc`` (this device by default)."""
+    if config.model.attention != "auto":
+        return config.model.attention
+    head_dim = flux_params.hidden_size // flux_params.num_heads
+    return auto_attention(desc or fp8.describe_device(), head_dim, config.model.dtype)
+
+
+def resolve(config, flux_params, desc: fp8.DeviceDescription | None = None) -> dict[str, str]:
+    """Replaces each ``"auto"`` platform choice of ``config`` by its value on ``desc`` (this device by
+    default); returns the resolved values {dotted field: value}."""
+    desc = desc or fp8.describe_device()
+    config.model.attention = attention_for(config, flux_params, desc)
+    if config.get("fp8_cast_kernel", "xla") == "auto":
+        config.fp8_cast_kernel = fp8.resolve_cast_kernel("auto", desc)
+    if config.get("fp8_format_family", "auto") == "auto":
+        config.fp8_format_family = fp8.format_family(desc)
+    return {
+        "model.attention": config.model.attention,
+        "fp8_cast_kernel": config.get("fp8_cast_kernel", "xla"),
+        "fp8_format_family": config.get("fp8_format_family", "auto"),
+    }
