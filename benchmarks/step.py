@@ -105,7 +105,7 @@ def bench_config(shape: str, variant: str, args) -> tuple:
         c.fp8_amax_compute_algo = "max"
     if as_rocm:
         c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
-        choices.resolve(c, steps.flux_params(c), MI300X)
+        choices.resolve(c, setup.flux_params(c), MI300X)
     for key, value in overrides.items():
         *path, leaf = key.split(".")  # "model.attention=pallas" reaches into sub-configs
         target = c

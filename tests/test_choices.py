@@ -7,7 +7,7 @@ import warnings
 import jax.numpy as jnp
 import pytest
 
-from flux_jax import choices, config_check, fp8, steps
+from flux_jax import choices, config_check, fp8, setup
 
 PLATFORMS = {
     "mi300x": fp8.DeviceDescription("rocm", "AMD Instinct MI300X", "gfx942"),
@@ -25,7 +25,7 @@ def test_every_shipped_config_validates_and_resolves_on_every_platform(name, arg
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     assert config.model.attention == "auto" and config.fp8_cast_kernel == "auto"
     config_check.validate(config, desc=desc)
-    resolved = choices.resolve(config, steps.flux_params(config), desc)
+    resolved = choices.resolve(config, setup.flux_params(config), desc)
     config_check.validate(config, desc=desc)  # the resolved values are valid there too
     sixteen_bit = config.model.dtype == "bfloat16"
     want_attention = {
@@ -65,7 +65,7 @@ def test_explicit_attention_the_platform_cannot_run_is_a_clear_error(attention, 
     with pytest.raises(ValueError, match=expected):
         config_check.validate(config, desc=PLATFORMS[platform])
     # Resolution keeps an explicit choice; it is never swapped for one that runs.
-    choices.resolve(config, steps.flux_params(config), PLATFORMS[platform])
+    choices.resolve(config, setup.flux_params(config), PLATFORMS[platform])
     assert config.model.attention == attention
 
 
@@ -100,7 +100,7 @@ def test_train_writes_the_resolved_choices_to_config_json(tiny_config, tmp_path)
     train.train_and_evaluate(config, str(tmp_path))
     saved = json.load(open(tmp_path / "config.json"))
     desc = fp8.describe_device()
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     head_dim = fp.hidden_size // fp.num_heads
     assert saved["model"]["attention"] == choices.auto_attention(desc, head_dim, "float32") != "auto"
     assert saved["fp8_cast_kernel"] == fp8.resolve_cast_kernel("auto", desc) != "auto"

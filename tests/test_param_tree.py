@@ -55,7 +55,7 @@ def _args(fp, batch=1):
 
 def _init(config):
     """(FluxParams, model, variables) of a config; params from config.seed as train.py draws them."""
-    fp = steps.flux_params(config)
+    fp = setup.flux_params(config)
     net = steps.make_model(config, fp, config.fp8 is not None)
     init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]
     return fp, net, nn.unbox(jax.jit(net.init)(init_rng, *_args(fp)))
@@ -147,7 +147,7 @@ def test_modulation_state_follows_fp8_modulation_for_bf16_blocks_too():
 
     for fp8_modulation in (False, True):
         config = make_tiny_config(**_overrides(False, "e4m3", True), fp8_modulation=fp8_modulation)
-        policy = fp8.make_policy(config, steps.flux_params(config))
+        policy = fp8.make_policy(config, setup.flux_params(config))
         for site, enabled in (
             ("double_blocks.0", False),
             ("double_blocks.1", True),
@@ -169,7 +169,7 @@ def test_a_scanned_stack_with_a_bf16_layer_in_the_middle_computes_what_unscanned
     results = []
     for scan in (False, True):
         config = make_tiny_config(**_overrides(scan, "e4m3", True, **arch))
-        fp = steps.flux_params(config)
+        fp = setup.flux_params(config)
         net = steps.make_model(config, fp, True)
         segments = model.block_segments(3, "double_blocks", net.dot_general_policy)
         assert [s[:2] for s in segments] == [(0, 1), (1, 2), (2, 3)]
