@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_jax import checkpoint, model, optim, sample, steps, train
+from flux_jax import checkpoint, model, optim, sample, setup, steps, train
 
 POLICIES = [(fp8, first_last) for fp8 in (None, "e4m3") for first_last in (False, True)]
 # The BF16 block sites under first_last_layers_bf16 (1 at the start, 1 at the end).
