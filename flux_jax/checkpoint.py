@@ -322,6 +322,13 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
     return _place(params, abstract_params)
 
 
+def latest_step_in(workdir) -> int | None:
+    """The newest complete checkpoint step under WORKDIR/checkpoints, without opening a manager."""
+    root = epath.Path(workdir) / "checkpoints"
+    steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
+    return max(steps) if steps else None
+
+
 def flux_params_from_config(cfg: dict):
     """FluxParams from a saved config JSON: the preset plus the model fields that are not None."""
     import dataclasses

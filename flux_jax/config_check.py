@@ -1,18 +1,17 @@
-"""Config validation: every invalid field of a run config in one ValueError, before anything compiles.
+"""Config validation: every invalid field of a run config in one UserError, before anything compiles.
 
 Each message names the field (dotted, as on the command line: ``--config.data.image_size=...``),
 the value given and what is allowed; FP8 fields are checked against the platform by
-``fp8.validate_config``.
+``fp8.config_problems``, in the same message.
 """
 
 from flux_jax import flow, fp8, model, optim, sharding
-from flux_jax.errors import UserError
+from flux_jax.errors import UserError, block
 
 _CHOICES = {
     "model.dtype": ("bfloat16", "float32"),
     "model.attention": ("xla", "cudnn"),
     "recompute_granularity": (None, "selective", "full"),
-    "fp8": (None, "e4m3", "hybrid"),
     "lr_decay_style": optim.DECAY_STYLES,
     "timestep_sampling": flow.TIMESTEP_METHODS,
     "on_nonfinite": ("stop", "bf16"),
@@ -22,7 +21,7 @@ _CHOICES = {
 
 # Fields that may be None: their configs declare them placeholder(str) so that the command line
 # can set them, which also means `--config.fp8=None` arrives as the string "None".
-OPTIONAL_STR_FIELDS = tuple(field for field, choices in _CHOICES.items() if None in choices)
+OPTIONAL_STR_FIELDS = ("fp8",) + tuple(field for field, choices in _CHOICES.items() if None in choices)
 
 
 def none_from_command_line(config):
@@ -42,7 +41,7 @@ def _get(config, dotted: str):
 def validate(
     config, num_devices: int | None = None, process_count: int = 1, platform: str | None = None
 ) -> None:
-    """Raises one ValueError listing every invalid field, before anything is compiled.
+    """Raises one UserError listing every invalid field (FP8 ones too), before anything is compiled.
 
     With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``platform``
     (``fp8.describe_device().platform``: "cuda", "rocm", "cpu", ...) the platform-bound choices.
@@ -78,10 +77,6 @@ def validate(
         bad.append(f"data.image_size={config.data.image_size} must be a multiple of 16")
     if not 0.0 <= config.data.cfg_dropout_prob <= 1.0:
         bad.append(f"data.cfg_dropout_prob={config.data.cfg_dropout_prob} must be in [0, 1]")
-    if config.fp8 is not None and int(config.fp8_amax_history_len) < 1:
-        bad.append(f"fp8_amax_history_len={config.fp8_amax_history_len} must be >= 1 (e.g. 1024)")
-    if config.fp8 is not None and config.fp8_recipe not in fp8.RECIPES:
-        bad.append(f"fp8_recipe={config.fp8_recipe!r} must be one of {fp8.RECIPES}")
     if num_devices is not None:
         try:
             dp = data_parallel_size(config, num_devices)
@@ -100,9 +95,9 @@ def validate(
                 f"global_batch_size={config.global_batch_size} must be divisible by micro_batch_size "
                 f"({config.micro_batch_size}) x data-parallel size ({dp}) and by the {process_count} hosts"
             )
+    bad += fp8.config_problems(config)
     if bad:
-        raise UserError("Invalid config: " + "; ".join(bad) + ".")
-    fp8.validate_config(config)
+        raise UserError(block("Invalid config", bad, "Set each with --config.FIELD=VALUE."))
 
 
 def data_parallel_size(config, num_devices: int) -> int:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax.errors import UserError, block
 from flux_jax.fp8_cast import CAST_KERNELS, triton_available
 from flux_jax.fp8_dot import (
     AMAX_ALGOS,
@@ -135,47 +136,54 @@ def _get(config, name, default=None):
 
 
 def validate_config(config, desc: DeviceDescription | None = None) -> None:
-    """Raise one ValueError naming the bad FP8 field and the fix; no-op when config.fp8 is None."""
+    """Raises one UserError naming every bad FP8 field and its fix; no-op when config.fp8 is None."""
+    problems = config_problems(config, desc)
+    if problems:
+        raise UserError(block("Invalid FP8 config", problems))
+
+
+def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
+    """One line per bad FP8 field (the value, what is allowed, the fix); empty when config.fp8 is None."""
     fmt = _get(config, "fp8")
     if fmt is None:
-        return
+        return []
+    bad = []
     if fmt not in FORMATS:
-        raise ValueError(f"config.fp8={fmt!r} is not a format; use one of {FORMATS} or None for BF16.")
+        bad.append(f"config.fp8={fmt!r} is not a format; use one of {FORMATS} or None for BF16.")
     recipe = _get(config, "fp8_recipe", "delayed")
     if recipe not in RECIPES:
-        raise ValueError(f"config.fp8_recipe={recipe!r} is unknown; use one of {RECIPES}.")
+        bad.append(f"config.fp8_recipe={recipe!r} is unknown; use one of {RECIPES}.")
     family = _get(config, "fp8_format_family", "auto")
     if family not in FAMILIES:
-        raise ValueError(f"config.fp8_format_family={family!r} is unknown; use one of {FAMILIES}.")
+        bad.append(f"config.fp8_format_family={family!r} is unknown; use one of {FAMILIES}.")
     hist = _get(config, "fp8_amax_history_len", 1024)
     if not isinstance(hist, int) or hist < 1:
-        raise ValueError(f"config.fp8_amax_history_len={hist!r} must be an integer >= 1 (e.g. 1024).")
+        bad.append(f"config.fp8_amax_history_len={hist!r} must be an integer >= 1 (e.g. 1024).")
     margin = _get(config, "fp8_margin", 0)
     if margin is None or margin < 0:
-        raise ValueError(f"config.fp8_margin={margin!r} must be >= 0 (0 is the usual value).")
+        bad.append(f"config.fp8_margin={margin!r} must be >= 0 (0 is the usual value).")
     algo = _get(config, "fp8_amax_compute_algo", "max")
     if algo not in AMAX_ALGOS:
-        raise ValueError(f"config.fp8_amax_compute_algo={algo!r} is unknown; use one of {AMAX_ALGOS}.")
+        bad.append(f"config.fp8_amax_compute_algo={algo!r} is unknown; use one of {AMAX_ALGOS}.")
     kernel = _get(config, "fp8_cast_kernel", "xla")
     if kernel not in ("auto", *CAST_KERNELS):
-        raise ValueError(
-            f"config.fp8_cast_kernel={kernel!r} is unknown; use 'auto' or one of {CAST_KERNELS}."
-        )
+        bad.append(f"config.fp8_cast_kernel={kernel!r} is unknown; use 'auto' or one of {CAST_KERNELS}.")
     if kernel == "triton" and (reason := triton_available()):
-        raise ValueError(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'.")
+        bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'.")
     desc = desc or describe_device()
-    if not supports_fp8_gemm(desc):
-        raise ValueError(
+    if fmt in FORMATS and not supports_fp8_gemm(desc):
+        bad.append(
             f"config.fp8={fmt!r} but this device ({desc.platform} {desc.device_kind!r}, compute "
             f"capability {desc.compute_capability!r}) has no FP8 GEMMs (needs CUDA cc >= 8.9 or "
             "ROCm gfx942/gfx950); set config.fp8=None to train in BF16."
         )
     if recipe in ("blockwise", "mxfp8") and not supports_block_scaled_gemm(desc):
-        raise ValueError(
+        bad.append(
             f"config.fp8_recipe={recipe!r} needs block-scaled GEMMs (NVIDIA Blackwell or AMD "
             f"gfx950); this device is {desc.platform} {desc.device_kind!r}. Use "
             "fp8_recipe='delayed', 'tensorwise' or 'rowwise'."
         )
+    return bad
 
 
 def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:

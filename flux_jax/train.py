@@ -4,10 +4,13 @@ train_and_evaluate runs the chain config -> mesh -> data -> model (+ fp8 state) 
 checkpoint, then the loop, top to bottom. The step functions themselves are in ``flux_jax.steps``.
 """
 
+import argparse
 import contextlib
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from typing import Any
 
@@ -15,15 +18,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
 from flux_jax import (
     checkpoint,
     cli,
     config_check,
+    config_cli,
     flow,
     fp8,
     metrics,
@@ -33,6 +35,7 @@ from flux_jax import (
     sharding,
     steps,
 )
+from flux_jax.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +79,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     Returns the final metrics: last train loss, last validation loss, steps run, skipped steps.
     """
+    t_start = time.perf_counter()
     # ---- Config -------------------------------------------------------------------------------
     config_check.validate(config, jax.device_count(), jax.process_count(), fp8.describe_device().platform)
     fp = steps.flux_params(config)
     is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
+    _make_workdir(workdir)
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
@@ -137,7 +141,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fp8_meta)
         train_iter.set_state(data_state)
-        log.info("Resumed from step %d", start)
+    log.info("%s", start_line(config, workdir, mesh, n_params, use_fp8, start))
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):
@@ -153,7 +157,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     train_step, eval_step = compile_steps(use_fp8)
     flops = metrics.train_flops_per_sample(fp, img_len, txt_len)
-    writer = metrics.MetricWriter(workdir, enabled=is_main)
+    writer = metrics.MetricWriter(workdir, enabled=is_main, resume_step=start or 0)
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
@@ -183,7 +187,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Train loop ---------------------------------------------------------------------------
     first = int(state["step"])
-    result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False}
+    result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False, "signal": None}
+    if first >= config.train_iters:
+        log.info("%s", finished_message(workdir, first, config.train_iters))
     progress = _Progress(first, config.max_nonfinite_steps)
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     # The host reads a step's metrics only after the next step is queued, so it fetches and
@@ -195,7 +201,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
     for closable in (writer, ckpt, bar):
         finish.callback(closable.close)
-    with finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
+    # The guard is outermost: a second signal while the checkpoint is still being written is
+    # caught by it too, instead of interrupting the write.
+    with guard, finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
@@ -203,7 +211,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
             due = last or evaluate or done % config.log_interval == 0 or ckpt.due(done)
-            # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
+            # SIGTERM / SIGINT / SIGHUP: keep this step, then stop; the same command resumes from it.
             preempted = guard.preempted(can_sync=due)
             read_now = due or preempted
             reads = ([pending] if pending else []) + ([(done, m)] if read_now else [])
@@ -220,8 +228,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             bar.update(1)
             ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
             if preempted:
-                log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
-                result["preempted"] = True
+                result["preempted"], result["signal"] = True, guard.signum
                 break
             if evaluate:
                 result["val_loss"] = run_eval(done)
@@ -231,7 +238,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     ckpt.save(done, state, train_iter.get_state(), force=True)
                     break
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
-    return result | {"params": n_params}
+    result |= {"params": n_params, "seconds": time.perf_counter() - t_start}
+    if first < config.train_iters:
+        log.info("%s", end_summary(result, first, workdir, ckpt.latest_step()))
+    return result
 
 
 class _Progress:
@@ -271,25 +281,116 @@ class _Progress:
         return losses, steps_s
 
 
+def _make_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_test_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise UserError(
+            f"--workdir {workdir}: cannot write there ({err.strerror}). Pass a directory you can write to."
+        ) from None
+
+
+def start_line(config, workdir: str, mesh, n_params: int, use_fp8: bool, start: int | None) -> str:
+    """What the run is: workdir, where it starts, parameters, devices and mesh, precision."""
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    mesh_text = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    if use_fp8:
+        spec = fp8.spec_from_config(config)
+        precision = (
+            f"FP8 {config.fp8} (forward {jnp.dtype(spec.fwd_dtype).name}, gradients "
+            f"{jnp.dtype(spec.bwd_dtype).name}), recipe {spec.recipe}, cast kernel {spec.cast_kernel}, "
+            f"other math in {config.model.dtype}"
+        )
+    else:
+        precision = f"FP8 off, math in {config.model.dtype}"
+    where = f"resuming at step {start}" if start is not None else "starting at step 0"
+    return (
+        f"Training {config.model.preset} in {workdir} ({where} of {config.train_iters}): {n_params:,} "
+        f"parameters; {len(devices)} x {kind} in {jax.process_count()} process(es), mesh {mesh_text}; "
+        f"{precision}."
+    )
+
+
+def _loss(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def end_summary(result: dict, first: int, workdir: str, latest: int | None) -> str:
+    """How the run ended: steps, final losses, time, the latest checkpoint, and what next."""
+    ckpts = os.path.join(workdir, "checkpoints")
+    saved = f"latest checkpoint: step {latest} in {ckpts}" if latest is not None else "no checkpoint saved"
+    head = f"steps {first}..{result['steps']} in {result['seconds']:.0f} s"
+    losses = f"train loss {_loss(result['train_loss'])}, validation loss {_loss(result['val_loss'])}"
+    if result["signal"] is not None or result["preempted"]:
+        name = "a signal" if result["signal"] is None else signal.Signals(result["signal"]).name
+        code = preemption.exit_status(result["signal"])
+        return (
+            f"Stopped by {name} after step {result['steps']} ({head}); {losses}; {saved}. "
+            f"Run the same command to resume (exit status {code})."
+        )
+    return f"Done: {head}; {losses}; {saved}."
+
+
+def finished_message(workdir: str, step: int, train_iters: int) -> str:
+    last = metrics.last_losses(os.path.join(workdir, "metrics.jsonl"))
+    losses = f"train loss {_loss(last['train'])}, validation loss {_loss(last['val'])}"
+    return (
+        f"{workdir} already holds a finished run: checkpoint at step {step}, train_iters={train_iters} "
+        f"({losses}). Nothing to train. To train further, raise --config.train_iters; to start over, "
+        "pass a new --workdir."
+    )
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes log lines with tqdm.write, so they land above a progress bar instead of inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 (logging's own contract: a failed write never raises)
+            self.handleError(record)
+
+
 def setup_logging(logger: logging.Logger) -> None:
-    """CLI logging: INFO lines from ``logger``; library INFO chatter (orbax) is dropped."""
+    """CLI logging: INFO lines from ``logger`` (through tqdm); library INFO chatter (orbax) is dropped."""
     absl_logging.set_verbosity(absl_logging.WARNING)
-    handler = logging.StreamHandler()
+    handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
 
-def main(argv) -> None:
-    del argv
-    # Progress goes to tqdm and this module's log.
-    setup_logging(log)
-    train_and_evaluate(config_check.none_from_command_line(flags.FLAGS.config), flags.FLAGS.workdir)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flux_jax.train",
+        description="Trains a FLUX model per a config; rerunning the same command resumes from the "
+        "last checkpoint in --workdir.",
+        allow_abbrev=False,
+    )
+    config_cli.add_config_argument(p)
+    p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics and config.json")
+    return p
+
+
+def main(argv=None) -> int:
+    """Exit status: 0 when done or stopped by SIGTERM (after a complete checkpoint), 130 for SIGINT,
+    129 for SIGHUP (see flux_jax.preemption)."""
+    args, config = config_cli.parse(parser(), sys.argv[1:] if argv is None else argv)
+    # Progress goes to tqdm and the flux_jax loggers.
+    setup_logging(logging.getLogger("flux_jax"))
+    latest = checkpoint.latest_step_in(args.workdir)
+    if latest is not None and latest >= config.train_iters:
+        log.info("%s", finished_message(args.workdir, latest, config.train_iters))
+        return 0
+    result = train_and_evaluate(config, args.workdir)
+    return preemption.exit_status(result["signal"])
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:arg].", lock_config=True)
-    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(lambda argv: cli.run(lambda: main(argv)))
+    cli.run(main)
