@@ -89,7 +89,7 @@ def _initials(name: str) -> str:
 
 def suggestions(name: str, known: Sequence[str], n: int = 3) -> list[str]:
     """The known dotted fields closest to an unknown ``name``: aliases (``learning_rate`` -> ``lr``),
-    initials, spelling (difflib) on the whole name and on its last part, then containment."""
+    initials, spelling (difflib) on the whole name and on its last part, containment, shared words."""
     leaf = name.rsplit(".", 1)[-1]
     by_leaf: dict[str, list[str]] = {}
     for field in known:
@@ -107,6 +107,8 @@ def suggestions(name: str, known: Sequence[str], n: int = 3) -> list[str]:
         add(by_leaf[match])
     if len(leaf) >= 4:
         add([f for f in known if leaf in f.rsplit(".", 1)[-1] or f.rsplit(".", 1)[-1] in leaf.split("_")])
+    words = {w for w in leaf.split("_") if len(w) >= 4}
+    add([f for f in known if words & set(f.rsplit(".", 1)[-1].split("_"))])
     return found[:n]
 
 

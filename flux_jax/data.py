@@ -14,6 +14,7 @@ import grain
 import numpy as np
 
 from flux_jax import shards
+from flux_jax.errors import UserError
 
 VAE_SCALE = 0.3611
 VAE_SHIFT = 0.1159
@@ -141,14 +142,14 @@ def _model_dims(config, context_in_dim, vec_in_dim) -> tuple[int, int]:
 def record_spec(config, context_in_dim=None, vec_in_dim=None) -> shards.RecordSpec:
     size = int(config.data.image_size)
     if size % 16:
-        raise ValueError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
+        raise UserError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
     ctx, vec = _model_dims(config, context_in_dim, vec_in_dim)
     return shards.RecordSpec((LATENT_CHANNELS, size // 8, size // 8), int(config.data.txt_len), ctx, vec)
 
 
 def _default_host_batch(config, process_count: int) -> int:
     if config.global_batch_size % process_count:
-        raise ValueError(
+        raise UserError(
             f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} "
             "processes: pick a multiple"
         )
@@ -173,7 +174,7 @@ def build_dataset(
     if split not in _SPLIT_IDS:
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     if len(source) < process_count * per_host_batch and split == "val":
-        raise ValueError(
+        raise UserError(
             f"validation data has {len(source)} records, fewer than one global batch "
             f"({process_count} x {per_host_batch}): add records to data.val_path or lower the batch"
         )
@@ -230,12 +231,12 @@ def make_pipeline(
             config, split, process_index, process_count, context_in_dim=ctx, vec_in_dim=vec
         )
     if source_name not in ("shards", "mock"):
-        raise ValueError(f"data.source={source_name!r} must be one of 'toy', 'shards', 'mock'")
+        raise UserError(f"data.source={source_name!r} must be one of 'toy', 'shards', 'mock'")
     batch = per_host_batch or _default_host_batch(config, process_count)
     spec = record_spec(config, context_in_dim, vec_in_dim)
     cfg_p = float(config.data.cfg_dropout_prob)
     if not 0.0 <= cfg_p <= 1.0:
-        raise ValueError(f"data.cfg_dropout_prob={cfg_p} must be in [0, 1]")
+        raise UserError(f"data.cfg_dropout_prob={cfg_p} must be in [0, 1]")
     if source_name == "mock":
         source = MockSource(spec, mock_records, seed=_SPLIT_IDS.get(split, 0))
         rng = np.random.default_rng([config.seed, 99])
@@ -247,7 +248,7 @@ def make_pipeline(
         field = "data.path" if split == "train" else "data.val_path"
         path = config.data.path if split == "train" else config.data.val_path
         if not path:
-            raise ValueError(
+            raise UserError(
                 f"{field} is empty: set it to a shard folder written by `python -m flux_jax.prepare`"
             )
         source = shards.ShardSource(path, spec)
