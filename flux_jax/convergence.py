@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw, ImageFont
 from flux_jax import cli, config_check, config_cli, fp8, preemption, train
 from flux_jax.errors import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flux_jax.convergence")  # also when run as __main__
 
 BACKGROUND = (255, 255, 255)
 COLORS = [(31, 119, 180), (230, 100, 0), (44, 160, 44), (214, 39, 40), (148, 103, 189)]

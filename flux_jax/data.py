@@ -199,7 +199,16 @@ def build_dataset(
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=2))
+        # Worker batches arrive in shared memory, freed when the last view of them is deleted.
+        # A batch the program still holds at exit (on CPU, device_put even keeps the numpy buffer)
+        # is never freed, and Python warns of leaked shared_memory objects; so each batch is
+        # copied into process memory here and its shared memory freed at once.
+        it = it.map(_to_process_memory)
     return it
+
+
+def _to_process_memory(batch: dict) -> dict:
+    return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def make_pipeline(

@@ -203,9 +203,9 @@ def main(argv=None) -> None:
     config = load_config(args.config)
     if not os.path.isdir(args.workdir):
         raise UserError(
-            f"--workdir {args.workdir} does not exist, so it has no checkpoints: train there first "
-            f"(python -m flux_jax.train --config {args.config} --workdir {args.workdir}) or point --workdir "
-            "at a run directory."
+            f"--workdir {args.workdir} does not exist, so it has no checkpoints to sample from: train "
+            f"there first (python -m flux_jax.train --config {args.config} --workdir {args.workdir}) or "
+            "point --workdir at a run directory."
         )
     ckpt = checkpoint.Checkpointer(args.workdir, config)
     saved_steps = ckpt.all_steps()

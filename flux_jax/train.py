@@ -37,7 +37,7 @@ from flux_jax import (
 )
 from flux_jax.errors import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flux_jax.train")  # also when run as __main__
 
 _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
@@ -97,7 +97,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Data ---------------------------------------------------------------------------------
     train_iter = _pipeline(config, "train", fp)
-    sample = next(_pipeline(config, "val", fp))
+    with contextlib.closing(_Closing(_pipeline(config, "val", fp))) as first_val:
+        sample = next(first_val.iterator)
     img_len, txt_len = sample["img"].shape[1], sample["txt"].shape[1]
 
     # ---- Model and FP8 state ------------------------------------------------------------------
@@ -161,11 +162,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
-        val_iter = _pipeline(config, "val", fp)
-        for i in range(config.eval_iters):
-            batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
-            s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
-            sums, counts = sums + s, counts + c
+        with contextlib.closing(_Closing(_pipeline(config, "val", fp))) as val:
+            for i in range(config.eval_iters):
+                batch = sharding.host_local_batch_to_global(next(val.iterator), mesh)
+                s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
+                sums, counts = sums + s, counts + c
         val, per_t = flow.validation_loss(sums, counts)
         values = {"loss": float(val)} | {f"loss_t{k}": float(v) for k, v in enumerate(per_t)}
         writer.write(step, values, prefix="val")
@@ -199,7 +200,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     pending = None
     guard = preemption.install_handler()
     finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
-    for closable in (writer, ckpt, bar):
+    for closable in (_Closing(train_iter), writer, ckpt, bar):
         finish.callback(closable.close)
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
@@ -242,6 +243,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if first < config.train_iters:
         log.info("%s", end_summary(result, first, workdir, ckpt.latest_step()))
     return result
+
+
+class _Closing:
+    """A data pipeline whose ``close`` stops its worker processes and frees their shared memory
+    (grain iterators have one; the toy iterator has nothing to free). Unclosed, the workers die with
+    the program and Python warns of leaked shared_memory objects."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def close(self) -> None:
+        if callable(close := getattr(self.iterator, "close", None)):
+            close()
 
 
 class _Progress:
