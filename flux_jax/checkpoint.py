@@ -263,13 +263,19 @@ def read_params(step_dir, abstract_params=None):
 
 
 def _read_safetensors(files) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     out = {}
     for f in files:
-        with safe_open(str(f), framework="numpy") as fh:
-            for name in fh.keys():
-                out[name] = fh.get_tensor(name).astype(np.float32)
+        try:
+            with safe_open(str(f), framework="numpy") as fh:
+                for name in fh.keys():
+                    out[name] = fh.get_tensor(name).astype(np.float32)
+        except (SafetensorError, OSError) as err:
+            raise UserError(
+                f"config.init_from: {f} is not a readable safetensors file ({err}). Fix: download or "
+                "export it again, or point config.init_from at another file."
+            ) from None
     return out
 
 
@@ -361,7 +367,10 @@ def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") ->
             f"No checkpoint {step if step is not None else ''} in {root} (found {sorted(steps)})."
         )
     step_dir = root / str(step if step is not None else max(steps))
-    cfg = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / _CONFIG)
+    try:
+        cfg = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / _CONFIG)
+    except Exception as e:  # orbax raises many types for a missing or corrupt item
+        raise _unreadable(step_dir, steps, e) from e
     params = read_params(step_dir)
     tensors = convert.export_bfl_state_dict({"params": params}, flux_params_from_config(cfg))
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]

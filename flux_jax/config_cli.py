@@ -50,7 +50,12 @@ def load_config(spec: str, flag: str = "--config") -> ml_collections.ConfigDict:
             f"{flag} {spec}: no such config file ({os.path.abspath(path)}). Pass a path such as "
             f"{_shipped_configs()}, optionally with :ARG (e.g. configs/toy.py:fp8)."
         )
-    module = _load_module(path)
+    try:
+        module = _load_module(path)
+    except SyntaxError as err:
+        raise UserError(f"{flag} {spec}: {path} line {err.lineno}: {err.msg}; fix the config file.") from None
+    except OSError as err:
+        raise UserError(f"{flag} {spec}: cannot read {path} ({err.strerror}).") from None
     if not callable(getattr(module, "get_config", None)):
         raise UserError(f"{flag} {spec}: {path} defines no get_config(arg); configs are .py files that do.")
     try:

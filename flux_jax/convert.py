@@ -226,17 +226,29 @@ def _read_safetensors(path: Path) -> dict[str, Any]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):
         raise UserError(f"--input {path}: no .safetensors file found; pass a file or a diffusers directory.")
+    from safetensors import SafetensorError
+
     out: dict[str, Any] = {}
     for f in files:
         try:
-            from safetensors.numpy import load_file
-
-            out.update(load_file(f))
-        except (TypeError, ValueError):  # bfloat16 needs the torch reader
-            from safetensors.torch import load_file as load_torch
-
-            out.update(load_torch(f))
+            out.update(_load_file(f))
+        except (SafetensorError, OSError) as err:
+            raise UserError(
+                f"--input {f}: unreadable safetensors file ({err}); it is truncated or not "
+                "safetensors: download or export it again."
+            ) from None
     return out
+
+
+def _load_file(f: Path) -> dict[str, Any]:
+    try:
+        from safetensors.numpy import load_file
+
+        return load_file(f)
+    except (TypeError, ValueError):  # bfloat16 needs the torch reader
+        from safetensors.torch import load_file as load_torch
+
+        return load_torch(f)
 
 
 def main(argv: list[str] | None = None) -> None:
