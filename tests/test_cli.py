@@ -177,3 +177,17 @@ def test_train_stopped_by_ctrl_c_saves_exits_130_and_a_finished_workdir_is_not_r
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{workdir} already holds a finished run: checkpoint at step {steps[0]}" in again.stderr
     assert "Training tiny" not in again.stderr
+
+
+def test_unreadable_weights_files_are_user_errors(tmp_path):
+    from pathlib import Path
+
+    from flux_jax import checkpoint, convert
+    from flux_jax.errors import UserError
+
+    bad = tmp_path / "flux1.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match=r"--input .*flux1\.safetensors: unreadable safetensors file"):
+        convert._read_safetensors(Path(bad))
+    with pytest.raises(UserError, match=r"config\.init_from: .*flux1\.safetensors is not a readable"):
+        checkpoint._read_safetensors([bad])

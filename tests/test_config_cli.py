@@ -93,3 +93,10 @@ def test_help_lists_the_fields_with_their_comments(capsys):
     assert "--config.FIELD=VALUE" in out
     assert "--config.lr=0.001" in out and "peak learning rate" in out
     assert "--config.data.image_size=128" in out
+
+
+def test_config_file_with_a_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text("def get_config(arg=None):\n    return (\n")
+    with pytest.raises(UserError, match=r"--config .*mine\.py: .*mine\.py line \d+: .*fix the config file"):
+        config_cli.load_config(str(path))
