@@ -97,8 +97,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Data ---------------------------------------------------------------------------------
     train_iter = _pipeline(config, "train", fp)
-    with contextlib.closing(_Closing(_pipeline(config, "val", fp))) as first_val:
-        sample = next(first_val.iterator)
+    with _closing_pipeline(_pipeline(config, "val", fp)) as val_iter:
+        sample = next(val_iter)
     img_len, txt_len = sample["img"].shape[1], sample["txt"].shape[1]
 
     # ---- Model and FP8 state ------------------------------------------------------------------
@@ -162,9 +162,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
-        with contextlib.closing(_Closing(_pipeline(config, "val", fp))) as val:
+        with _closing_pipeline(_pipeline(config, "val", fp)) as val_iter:
             for i in range(config.eval_iters):
-                batch = sharding.host_local_batch_to_global(next(val.iterator), mesh)
+                batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
                 s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
                 sums, counts = sums + s, counts + c
         val, per_t = flow.validation_loss(sums, counts)
@@ -199,8 +199,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # waits for checkpoint writes in flight.
     pending = None
     guard = preemption.install_handler()
-    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
-    for closable in (_Closing(train_iter), writer, ckpt, bar):
+    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes), writer, data
+    finish.callback(_close_pipeline, train_iter)
+    for closable in (writer, ckpt, bar):
         finish.callback(closable.close)
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
@@ -245,17 +246,20 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     return result
 
 
-class _Closing:
-    """A data pipeline whose ``close`` stops its worker processes and frees their shared memory
-    (grain iterators have one; the toy iterator has nothing to free). Unclosed, the workers die with
-    the program and Python warns of leaked shared_memory objects."""
+def _close_pipeline(iterator) -> None:
+    """Stops a data pipeline's worker processes and frees their shared memory (grain iterators have
+    ``close``; the toy iterator has nothing to free). Unclosed, the workers die with the program and
+    Python warns of leaked shared_memory objects."""
+    if callable(close := getattr(iterator, "close", None)):
+        close()
 
-    def __init__(self, iterator):
-        self.iterator = iterator
 
-    def close(self) -> None:
-        if callable(close := getattr(self.iterator, "close", None)):
-            close()
+@contextlib.contextmanager
+def _closing_pipeline(iterator):
+    try:
+        yield iterator
+    finally:
+        _close_pipeline(iterator)
 
 
 class _Progress:
