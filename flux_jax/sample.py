@@ -162,7 +162,11 @@ def _conditioning(config, fp, num_images: int, prompts: list[str] | None):
         )
     from flux_jax import data
 
-    batch = next(iter(data.make_pipeline(config, "val", 0, 1, per_host_batch=num_images)))
+    pipeline = data.make_pipeline(config, "val", 0, 1, per_host_batch=num_images)
+    try:
+        batch = next(pipeline)
+    finally:
+        pipeline.close()  # stops loader workers and frees their shared memory
     names = [f"val[{i}]" for i in range(num_images)]
     return names, np.asarray(batch["txt"]), np.asarray(batch["y"]), size
 
