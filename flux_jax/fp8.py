@@ -49,6 +49,7 @@ __all__ = [
     "spec_from_config",
     "make_policy",
     "validate_config",
+    "config_problems",
     "merge_states",
     "summarize",
 ]
