@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def exit_status(signum: int | None) -> int:
-    """The exit status of a run stopped by ``signum`` after a complete checkpoint (None: not stopped)."""
+    """The exit status of a run stopped by ``signum`` after a complete checkpoint (None: not stopped,
+    or, with several processes, stopped because another process received the signal)."""
     if signum is None or signum == signal.SIGTERM:
         return 0
     return 128 + int(signum)
@@ -86,6 +87,8 @@ class PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be installed from the main thread
         for sig in self._SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: closing the terminal must not stop the run
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 

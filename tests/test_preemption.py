@@ -40,6 +40,18 @@ def test_sighup_is_handled_like_sigterm_and_handlers_are_restored():
     assert signal.getsignal(signal.SIGHUP) is before
 
 
+def test_sighup_stays_ignored_under_nohup():
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with preemption.install_handler() as guard:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert not guard.requested
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_exit_status_per_signal():
     # SIGTERM (a scheduler's preemption) exits 0 after the checkpoint: the job is requeued and resumes.
     # A person's Ctrl-C or a closed terminal exits like a shell reports them, so `train && sample` stops.
