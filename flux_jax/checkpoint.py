@@ -364,7 +364,8 @@ def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") ->
     steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
     if not steps or (step is not None and step not in steps):
         raise UserError(
-            f"No checkpoint {step if step is not None else ''} in {root} (found {sorted(steps)})."
+            f"No checkpoint{'' if step is None else f' {step}'} in {root} (found {sorted(steps)}). Fix: pass "
+            "the --workdir of a training run and, with --step, one of the steps found."
         )
     step_dir = root / str(step if step is not None else max(steps))
     try:

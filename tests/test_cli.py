@@ -97,7 +97,7 @@ def _bad_inputs(tmp):
         "checkpoint_export_missing_workdir": (
             "checkpoint",
             ["export", "--workdir", f"{tmp}/nowhere", "--output", f"{tmp}/x.safetensors"],
-            [f"No checkpoint  in {tmp}/nowhere/checkpoints"],
+            [f"No checkpoint in {tmp}/nowhere/checkpoints (found []). Fix: pass the --workdir"],
         ),
         "convert_missing_input": (
             "convert",
