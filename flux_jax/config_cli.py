@@ -204,7 +204,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
         if arg.startswith(_PREFIX):
             name, eq, text = arg[len(_PREFIX) :].partition("=")
             if not eq:
-                if i + 1 >= len(argv):
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                     raise UserError(f"{arg} has no value: write {arg}=VALUE.")
                 text, i = argv[i + 1], i + 1
             overrides.append((name, text))

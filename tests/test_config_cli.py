@@ -83,6 +83,8 @@ def test_missing_config_file_and_bad_config_argument():
         _parse(config="configs/toy.py:fp16")
     with pytest.raises(UserError, match=r"--config\.lr has no value"):
         _parse("--config.lr")
+    with pytest.raises(UserError, match=r"--config\.fp8_wgrad has no value"):
+        config_cli.parse(_parser(), ["--config", "configs/toy.py", "--config.fp8_wgrad", "--workdir", "w"])
 
 
 def test_help_lists_the_fields_with_their_comments(capsys):
