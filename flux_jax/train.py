@@ -375,13 +375,20 @@ class _TqdmHandler(logging.StreamHandler):
 
 
 def setup_logging(logger: logging.Logger) -> None:
-    """CLI logging: INFO lines from ``logger`` (through tqdm); library INFO chatter (orbax) is dropped."""
+    """CLI logging: INFO lines from ``logger``; library warnings (orbax, tensorboardX) with their
+    logger's name; library INFO chatter is dropped. Everything goes through tqdm.write."""
     absl_logging.set_verbosity(absl_logging.WARNING)
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    root = logging.getLogger()
+    if not root.handlers:  # else Python's last-resort handler writes them into the progress bar
+        library = _TqdmHandler()
+        library.setLevel(logging.WARNING)
+        library.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(library)
 
 
 def parser() -> argparse.ArgumentParser:
