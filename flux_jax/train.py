@@ -383,12 +383,16 @@ def setup_logging(logger: logging.Logger) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # Root's plain stderr handler (set up by an imported library), or Python's last-resort one,
+    # would write library warnings into the progress bar.
     root = logging.getLogger()
-    if not root.handlers:  # else Python's last-resort handler writes them into the progress bar
-        library = _TqdmHandler()
-        library.setLevel(logging.WARNING)
-        library.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(library)
+    for old in root.handlers[:]:
+        if isinstance(old, _TqdmHandler) or (type(old) is logging.StreamHandler and old.stream is sys.stderr):
+            root.removeHandler(old)
+    library = _TqdmHandler()
+    library.setLevel(logging.WARNING)
+    library.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(library)
 
 
 def parser() -> argparse.ArgumentParser:
