@@ -286,7 +286,8 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
         sub = os.path.join(workdir, recipe.replace(":", "_"))
         log.info("Training %s (fp8=%s, fp8_recipe=%s) in %s", recipe, c.fp8, c.fp8_recipe, sub)
         results[recipe] = train.train_and_evaluate(c, sub)
-        if results[recipe]["preempted"]:  # the same command resumes it; no report from a partial run
+        if results[recipe]["preempted"]:  # no report from a partial run
+            log.warning("Stopped while training %s; the same command resumes and writes the report.", recipe)
             return {"signal": results[recipe]["signal"], "stopped_in": recipe}
         runs[recipe] = read_metrics(os.path.join(sub, "metrics.jsonl"))
     summary = summarize(runs, last_n, tolerance)
