@@ -22,7 +22,7 @@ import sys
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from flux_jax import cli, config_check, config_cli, fp8, preemption, train
+from flux_jax import cli, config_check, config_cli, console, fp8, preemption, train
 from flux_jax.errors import UserError
 
 log = logging.getLogger("flux_jax.convergence")  # also when run as __main__
@@ -348,7 +348,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args, config = config_cli.parse(parser(), sys.argv[1:] if argv is None else argv)
-    train.setup_logging(logging.getLogger("flux_jax"))
+    console.setup_logging(logging.getLogger("flux_jax"))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     summary = run(config, args.workdir, recipes, args.last_n, args.smooth, args.tolerance)
     return preemption.exit_status(summary.get("signal"))

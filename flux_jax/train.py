@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -18,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging as absl_logging
 from tqdm import tqdm
 
 from flux_jax import (
@@ -26,6 +24,7 @@ from flux_jax import (
     cli,
     config_check,
     config_cli,
+    console,
     flow,
     fp8,
     metrics,
@@ -142,7 +141,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fp8_meta)
         train_iter.set_state(data_state)
-    log.info("%s", start_line(config, workdir, mesh, n_params, use_fp8, start))
+    log.info("%s", console.start_line(config, workdir, mesh, n_params, use_fp8, start))
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):
@@ -190,7 +189,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     first = int(state["step"])
     result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False, "signal": None}
     if first >= config.train_iters:
-        log.info("%s", finished_message(workdir, first, config.train_iters))
+        log.info("%s", console.finished_message(workdir, first, config.train_iters))
     progress = _Progress(first, config.max_nonfinite_steps)
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     # The host reads a step's metrics only after the next step is queued, so it fetches and
@@ -242,7 +241,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
     result |= {"params": n_params, "seconds": time.perf_counter() - t_start}
     if first < config.train_iters:
-        log.info("%s", end_summary(result, first, workdir, ckpt.latest_step()))
+        log.info("%s", console.end_summary(result, first, workdir, ckpt.latest_step()))
     return result
 
 
@@ -312,89 +311,6 @@ def _make_workdir(workdir: str) -> None:
         ) from None
 
 
-def start_line(config, workdir: str, mesh, n_params: int, use_fp8: bool, start: int | None) -> str:
-    """What the run is: workdir, where it starts, parameters, devices and mesh, precision."""
-    devices = jax.devices()
-    kind = devices[0].device_kind
-    mesh_text = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
-    if use_fp8:
-        spec = fp8.spec_from_config(config)
-        precision = (
-            f"FP8 {config.fp8} (forward {jnp.dtype(spec.fwd_dtype).name}, gradients "
-            f"{jnp.dtype(spec.bwd_dtype).name}), recipe {spec.recipe}, cast kernel {spec.cast_kernel}, "
-            f"other math in {config.model.dtype}"
-        )
-    else:
-        precision = f"FP8 off, math in {config.model.dtype}"
-    where = f"resuming at step {start}" if start is not None else "starting at step 0"
-    return (
-        f"Training {config.model.preset} in {workdir} ({where} of {config.train_iters}): {n_params:,} "
-        f"parameters; {len(devices)} x {kind} in {jax.process_count()} process(es), mesh {mesh_text}; "
-        f"{precision}."
-    )
-
-
-def _loss(value) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
-def end_summary(result: dict, first: int, workdir: str, latest: int | None) -> str:
-    """How the run ended: steps, final losses, time, the latest checkpoint, and what next."""
-    ckpts = os.path.join(workdir, "checkpoints")
-    saved = f"latest checkpoint: step {latest} in {ckpts}" if latest is not None else "no checkpoint saved"
-    head = f"steps {first}..{result['steps']} in {result['seconds']:.0f} s"
-    losses = f"train loss {_loss(result['train_loss'])}, validation loss {_loss(result['val_loss'])}"
-    if result["signal"] is not None or result["preempted"]:
-        name = "a signal" if result["signal"] is None else signal.Signals(result["signal"]).name
-        code = preemption.exit_status(result["signal"])
-        return (
-            f"Stopped by {name} after step {result['steps']} ({head}); {losses}; {saved}. "
-            f"Run the same command to resume (exit status {code})."
-        )
-    return f"Done: {head}; {losses}; {saved}."
-
-
-def finished_message(workdir: str, step: int, train_iters: int) -> str:
-    last = metrics.last_losses(os.path.join(workdir, "metrics.jsonl"))
-    losses = f"train loss {_loss(last['train'])}, validation loss {_loss(last['val'])}"
-    return (
-        f"{workdir} already holds a finished run: checkpoint at step {step}, train_iters={train_iters} "
-        f"({losses}). Nothing to train. To train further, raise --config.train_iters; to start over, "
-        "pass a new --workdir."
-    )
-
-
-class _TqdmHandler(logging.StreamHandler):
-    """Writes log lines with tqdm.write, so they land above a progress bar instead of inside it."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001 (logging's own contract: a failed write never raises)
-            self.handleError(record)
-
-
-def setup_logging(logger: logging.Logger) -> None:
-    """CLI logging: INFO lines from ``logger``; library warnings (orbax, tensorboardX) with their
-    logger's name; library INFO chatter is dropped. Everything goes through tqdm.write."""
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    # Root's plain stderr handler (set up by an imported library), or Python's last-resort one,
-    # would write library warnings into the progress bar.
-    root = logging.getLogger()
-    for old in root.handlers[:]:
-        if isinstance(old, _TqdmHandler) or (type(old) is logging.StreamHandler and old.stream is sys.stderr):
-            root.removeHandler(old)
-    library = _TqdmHandler()
-    library.setLevel(logging.WARNING)
-    library.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(library)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flux_jax.train",
@@ -412,10 +328,10 @@ def main(argv=None) -> int:
     129 for SIGHUP (see flux_jax.preemption)."""
     args, config = config_cli.parse(parser(), sys.argv[1:] if argv is None else argv)
     # Progress goes to tqdm and the flux_jax loggers.
-    setup_logging(logging.getLogger("flux_jax"))
+    console.setup_logging(logging.getLogger("flux_jax"))
     latest = checkpoint.latest_step_in(args.workdir)
     if latest is not None and latest >= config.train_iters:
-        log.info("%s", finished_message(args.workdir, latest, config.train_iters))
+        log.info("%s", console.finished_message(args.workdir, latest, config.train_iters))
         return 0
     result = train_and_evaluate(config, args.workdir)
     return preemption.exit_status(result["signal"])
