@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderParams:
@@ -203,7 +205,7 @@ def load_decoder_state_dict(state_dict: Mapping[str, Any], params: DecoderParams
     if want != got:
         missing = sorted(set(want) - set(got))[:5]
         bad = sorted(k for k in set(want) & set(got) if want[k] != got[k])[:5]
-        raise ValueError(
+        raise UserError(
             f"autoencoder state dict does not match DecoderParams {params}: missing {missing}, "
             f"shape mismatch {bad}, unexpected {sorted(set(got) - set(want))[:5]}; pass the DecoderParams "
             "the checkpoint was trained with (FLUX_AE for FLUX's ae.safetensors)"
@@ -219,7 +221,7 @@ def load_autoencoder(path: str) -> tuple[DecoderParams, dict]:
         cfg_path = os.path.join(path, "config.json")
         weights = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
         if not os.path.exists(cfg_path) or not weights:
-            raise ValueError(f"--ae {path}: a diffusers VAE folder needs config.json and a .safetensors file")
+            raise UserError(f"--ae {path}: a diffusers VAE folder needs config.json and a .safetensors file")
         with open(cfg_path) as f:
             cfg = json.load(f)
         params = DecoderParams(
@@ -237,5 +239,5 @@ def load_autoencoder(path: str) -> tuple[DecoderParams, dict]:
             state.update(load_file(os.path.join(path, w)))
         return params, load_decoder_state_dict(state, params)
     if not os.path.isfile(path):
-        raise ValueError(f"--ae {path}: no such file; pass BFL ae.safetensors or a diffusers vae folder")
+        raise UserError(f"--ae {path}: no such file; pass BFL ae.safetensors or a diffusers vae folder")
     return FLUX_AE, load_decoder_state_dict(load_file(path), FLUX_AE)

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from flux_jax import cli
+from flux_jax.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class Checkpointer:
         """
         step_dir = self.directory / str(step)
         if step not in self._manager.all_steps():
-            raise ValueError(
+            raise UserError(
                 f"No complete checkpoint for step {step} in {self.directory} (found {self.all_steps()}). "
                 "Fix: pass one of the listed steps, or a workdir that holds the run."
             )
@@ -180,7 +181,7 @@ class Checkpointer:
             target[_FP8] = found.get(_FP8, {})
         bad = shape_mismatches(target, found)
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"Checkpoint {step_dir} does not fit this model: {len(bad)} mismatching entries:\n  "
                 + "\n  ".join(bad[:50])
                 + "\nFix: use the model config the checkpoint was saved with (see its 'config' item), "
@@ -209,10 +210,10 @@ class Checkpointer:
         self._manager.close()
 
 
-def _unreadable(step_dir, steps, err) -> ValueError:
+def _unreadable(step_dir, steps, err) -> UserError:
     older = [s for s in steps if s < int(step_dir.name)]
     fix = f"delete {step_dir} to resume from step {older[-1]}" if older else f"delete {step_dir}"
-    return ValueError(f"Checkpoint {step_dir} is unreadable (truncated or corrupt: {err}). Fix: {fix}.")
+    return UserError(f"Checkpoint {step_dir} is unreadable (truncated or corrupt: {err}). Fix: {fix}.")
 
 
 def _find_step_dir(path: epath.Path) -> epath.Path | None:
@@ -232,7 +233,9 @@ def read_params(step_dir, abstract_params=None):
     step_dir = epath.Path(step_dir)
     checkpointer = ocp.PyTreeCheckpointer()
     try:
-        found = checkpointer.metadata(step_dir / _STATE).item_metadata.tree["params"]
+        # The handler reads the item's own metadata; Checkpointer.metadata would also look for a
+        # step-level metadata file inside the item directory and warn that it is missing.
+        found = ocp.PyTreeCheckpointHandler().metadata(step_dir / _STATE).tree["params"]
     except Exception as e:
         raise _unreadable(step_dir, [], e) from e
     if abstract_params is None:
@@ -241,7 +244,7 @@ def read_params(step_dir, abstract_params=None):
     else:
         bad = shape_mismatches(abstract_params, found)
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"Params in {step_dir} do not fit this model:\n  " + "\n  ".join(bad[:50]) + "\n"
                 "Fix: set the model config to the one that checkpoint was trained with."
             )
@@ -260,13 +263,19 @@ def read_params(step_dir, abstract_params=None):
 
 
 def _read_safetensors(files) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     out = {}
     for f in files:
-        with safe_open(str(f), framework="numpy") as fh:
-            for name in fh.keys():
-                out[name] = fh.get_tensor(name).astype(np.float32)
+        try:
+            with safe_open(str(f), framework="numpy") as fh:
+                for name in fh.keys():
+                    out[name] = fh.get_tensor(name).astype(np.float32)
+        except (SafetensorError, OSError) as err:
+            raise UserError(
+                f"config.init_from: {f} is not a readable safetensors file ({err}). Fix: download or "
+                "export it again, or point config.init_from at another file."
+            ) from None
     return out
 
 
@@ -290,7 +299,7 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
     p = epath.Path(path)
     field = f"config.init_from={path!s}"
     if not p.exists():
-        raise ValueError(f"{field} does not exist. Fix: point it at a .safetensors file or a checkpoint dir.")
+        raise UserError(f"{field} does not exist. Fix: point it at a .safetensors file or a checkpoint dir.")
     step_dir = _find_step_dir(p) if p.is_dir() else None
     if step_dir is not None:
         return read_params(step_dir, abstract_params)
@@ -304,7 +313,7 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
         else []
     )
     if not files:
-        raise ValueError(
+        raise UserError(
             f"{field} is neither a .safetensors file, a diffusers transformer/ folder, nor a flux_jax "
             "checkpoint. Fix: point it at one of those."
         )
@@ -315,11 +324,18 @@ def load_init_from(path, flux_params, abstract_params, scan_blocks: bool = False
     params = variables["params"]
     bad = shape_mismatches(abstract_params, params)
     if bad:
-        raise ValueError(
+        raise UserError(
             f"Weights in {path} do not fit this model:\n  " + "\n  ".join(bad[:50]) + "\n"
             "Fix: set config.model.preset (and overrides) to the model those weights belong to."
         )
     return _place(params, abstract_params)
+
+
+def latest_step_in(workdir) -> int | None:
+    """The newest complete checkpoint step under WORKDIR/checkpoints, without opening a manager."""
+    root = epath.Path(workdir) / "checkpoints"
+    steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
+    return max(steps) if steps else None
 
 
 def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") -> epath.Path:
@@ -332,11 +348,15 @@ def export(workdir, output, step: int | None = None, dtype: str = "bfloat16") ->
     root = epath.Path(workdir) / "checkpoints"
     steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
     if not steps or (step is not None and step not in steps):
-        raise ValueError(
-            f"No checkpoint {step if step is not None else ''} in {root} (found {sorted(steps)})."
+        raise UserError(
+            f"No checkpoint{'' if step is None else f' {step}'} in {root} (found {sorted(steps)}). Fix: pass "
+            "the --workdir of a training run and, with --step, one of the steps found."
         )
     step_dir = root / str(step if step is not None else max(steps))
-    cfg = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / _CONFIG)
+    try:
+        cfg = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / _CONFIG)
+    except Exception as e:  # orbax raises many types for a missing or corrupt item
+        raise _unreadable(step_dir, steps, e) from e
     params = read_params(step_dir)
     tensors = convert.export_bfl_state_dict({"params": params}, setup.flux_params(cfg))
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]

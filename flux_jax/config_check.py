@@ -1,4 +1,4 @@
-"""Config validation: every invalid field of a run config in one ValueError, before anything compiles.
+"""Config validation: every invalid field of a run config in one UserError, before anything compiles.
 
 The one validation entry for a run config: each message names the field (dotted, as on the command
 line: ``--config.data.image_size=...``), the value given and what is allowed. FP8 fields are checked
@@ -7,13 +7,12 @@ their problems join the same error.
 """
 
 from flux_jax import choices, flow, fp8, model, optim, sharding
-from flux_jax.errors import UserError
+from flux_jax.errors import UserError, block
 
 _CHOICES = {
     "model.dtype": ("bfloat16", "float32"),
     "model.attention": choices.ATTENTION_CHOICES,
     "recompute_granularity": (None, "selective", "full"),
-    "fp8": (None, "e4m3", "hybrid"),
     "lr_decay_style": optim.DECAY_STYLES,
     "timestep_sampling": flow.TIMESTEP_METHODS,
     "on_nonfinite": ("stop", "bf16"),
@@ -23,7 +22,7 @@ _CHOICES = {
 
 # Fields that may be None: their configs declare them placeholder(str) so that the command line
 # can set them, which also means `--config.fp8=None` arrives as the string "None".
-OPTIONAL_STR_FIELDS = tuple(field for field, choices in _CHOICES.items() if None in choices)
+OPTIONAL_STR_FIELDS = ("fp8",) + tuple(field for field, choices in _CHOICES.items() if None in choices)
 
 
 def none_from_command_line(config):
@@ -47,7 +46,7 @@ def validate(
     platform: str | None = None,
     desc: fp8.DeviceDescription | None = None,
 ) -> None:
-    """Raises one ValueError listing every invalid field, before anything is compiled.
+    """Raises one UserError listing every invalid field (FP8 ones too), before anything is compiled.
 
     With ``num_devices`` / ``process_count`` the batch is checked against the mesh; with ``desc`` (a
     platform description, ``fp8.describe_device()``) or just ``platform`` ("cuda", "rocm", "cpu", ...)
@@ -107,8 +106,9 @@ def validate(
                 f"global_batch_size={config.global_batch_size} must be divisible by micro_batch_size "
                 f"({config.micro_batch_size}) x data-parallel size ({dp}) and by the {process_count} hosts"
             )
+    bad += fp8.config_problems(config)
     if bad:
-        raise UserError("Invalid config: " + "; ".join(bad) + ".")
+        raise UserError(block("Invalid config", bad, "Set each with --config.FIELD=VALUE."))
 
 
 def data_parallel_size(config, num_devices: int) -> int:

@@ -12,17 +12,20 @@ off: the rest of the model computes in config.model.dtype. Rerunning on a finish
 at its last step and only rewrites the report.
 """
 
+import argparse
 import json
 import logging
 import math
 import os
+import sys
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from flux_jax import cli, config_check, fp8, train
+from flux_jax import cli, config_check, config_cli, console, fp8, preemption, train
+from flux_jax.errors import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flux_jax.convergence")  # also when run as __main__
 
 BACKGROUND = (255, 255, 255)
 COLORS = [(31, 119, 180), (230, 100, 0), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
@@ -40,8 +43,9 @@ def variant_config(config, recipe: str):
         if scaling:
             c.fp8_recipe = scaling
     else:
-        raise ValueError(
-            f"Unknown recipe {recipe!r}: use bf16, fp8, {', '.join(fp8.FORMATS)}, optionally ':RECIPE'."
+        raise UserError(
+            f"Unknown recipe {recipe!r} in --recipes: use bf16, fp8, {', '.join(fp8.FORMATS)}, "
+            "optionally with ':RECIPE' (fp8:tensorwise)."
         )
     return c
 
@@ -282,6 +286,9 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
         sub = os.path.join(workdir, recipe.replace(":", "_"))
         log.info("Training %s (fp8=%s, fp8_recipe=%s) in %s", recipe, c.fp8, c.fp8_recipe, sub)
         results[recipe] = train.train_and_evaluate(c, sub)
+        if results[recipe]["preempted"]:  # no report from a partial run
+            log.warning("Stopped while training %s; the same command resumes and writes the report.", recipe)
+            return {"signal": results[recipe]["signal"], "stopped_in": recipe}
         runs[recipe] = read_metrics(os.path.join(sub, "metrics.jsonl"))
     summary = summarize(runs, last_n, tolerance)
     summary["variants"] = variants = {
@@ -318,25 +325,34 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
     return summary
 
 
-def main(argv) -> None:
-    del argv
-    from absl import flags
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flux_jax.convergence",
+        description="Trains each recipe from one seed and writes convergence.{png,md,json} to --workdir.",
+        allow_abbrev=False,
+    )
+    config_cli.add_config_argument(p)
+    p.add_argument(
+        "--workdir", required=True, help="report directory; each recipe trains in WORKDIR/<recipe>"
+    )
+    p.add_argument(
+        "--recipes", default="bf16,fp8", help="comma-separated: bf16, fp8, e4m3, hybrid, optional :RECIPE"
+    )
+    p.add_argument("--last_n", type=int, default=50, help="final train loss = mean over the last N steps")
+    p.add_argument(
+        "--smooth", type=int, default=20, help="moving-average window (logged points) of the plots"
+    )
+    p.add_argument("--tolerance", type=float, default=0.05, help="verdict: |ratio - 1| <= tolerance for all")
+    return p
 
-    train.setup_logging(logging.getLogger("flux_jax"))
-    f = flags.FLAGS
-    recipes = [r.strip() for r in f.recipes.split(",") if r.strip()]
-    run(config_check.none_from_command_line(f.config), f.workdir, recipes, f.last_n, f.smooth, f.tolerance)
+
+def main(argv=None) -> int:
+    args, config = config_cli.parse(parser(), sys.argv[1:] if argv is None else argv)
+    console.setup_logging(logging.getLogger("flux_jax"))
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    summary = run(config, args.workdir, recipes, args.last_n, args.smooth, args.tolerance)
+    return preemption.exit_status(summary.get("signal"))
 
 
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:arg].", lock_config=True)
-    flags.DEFINE_string("workdir", None, "Report directory; each recipe trains in WORKDIR/<recipe>.")
-    flags.DEFINE_string("recipes", "bf16,fp8", "Comma-separated: bf16, fp8, e4m3, hybrid, optional :RECIPE.")
-    flags.DEFINE_integer("last_n", 50, "Final train loss = mean over the last N steps.")
-    flags.DEFINE_integer("smooth", 20, "Moving-average window (logged points) of the plotted curves.")
-    flags.DEFINE_float("tolerance", 0.05, "Verdict: |ratio - 1| <= tolerance for every ratio.")
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(lambda argv: cli.run(lambda: main(argv)))
+    cli.run(main)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flux_jax import cli, setup
+from flux_jax.errors import UserError
 from flux_jax.model import PRESETS, Flux, FluxParams
 
 _PREFIX = "model.diffusion_model."
@@ -151,7 +152,7 @@ def load_torch_state_dict(
     )
     if missing or unexpected or wrong:
         layout = "diffusers" if is_diffusers else "BFL"
-        raise ValueError(
+        raise UserError(
             f"State dict ({layout} layout) does not match FluxParams {params}; check the preset/model "
             f"fields against the checkpoint.\n  missing: {missing}\n  unexpected: {unexpected}\n"
             f"  wrong shape: {wrong}"
@@ -200,7 +201,7 @@ def export_bfl_state_dict(variables: Mapping[str, Any], params: FluxParams) -> d
         out[".".join(names)] = np.ascontiguousarray(value)
     expected = _expected_bfl_shapes(params)
     if set(out) != set(expected):
-        raise ValueError(
+        raise UserError(
             f"Variables do not match FluxParams {params}: missing {sorted(set(expected) - set(out))}, "
             f"unexpected {sorted(set(out) - set(expected))}; export with the preset the model was built from."
         )
@@ -210,18 +211,30 @@ def export_bfl_state_dict(variables: Mapping[str, Any], params: FluxParams) -> d
 def _read_safetensors(path: Path) -> dict[str, Any]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):
-        raise ValueError(f"--input {path}: no .safetensors file found; pass a file or a diffusers directory.")
+        raise UserError(f"--input {path}: no .safetensors file found; pass a file or a diffusers directory.")
+    from safetensors import SafetensorError
+
     out: dict[str, Any] = {}
     for f in files:
         try:
-            from safetensors.numpy import load_file
-
-            out.update(load_file(f))
-        except (TypeError, ValueError):  # bfloat16 needs the torch reader
-            from safetensors.torch import load_file as load_torch
-
-            out.update(load_torch(f))
+            out.update(_load_file(f))
+        except (SafetensorError, OSError) as err:
+            raise UserError(
+                f"--input {f}: unreadable safetensors file ({err}); it is truncated or not "
+                "safetensors: download or export it again."
+            ) from None
     return out
+
+
+def _load_file(f: Path) -> dict[str, Any]:
+    try:
+        from safetensors.numpy import load_file
+
+        return load_file(f)
+    except (TypeError, ValueError):  # bfloat16 needs the torch reader
+        from safetensors.torch import load_file as load_torch
+
+        return load_torch(f)
 
 
 def main(argv: list[str] | None = None) -> None:

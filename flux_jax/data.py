@@ -14,6 +14,7 @@ import grain
 import numpy as np
 
 from flux_jax import latents, shards
+from flux_jax.errors import UserError
 
 VAE_SCALE = 0.3611
 VAE_SHIFT = 0.1159
@@ -111,14 +112,14 @@ def record_spec(config, context_in_dim: int, vec_in_dim: int) -> shards.RecordSp
     """The stored record shapes for config.data and the model's text / pooled widths."""
     size = int(config.data.image_size)
     if size % 16:
-        raise ValueError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
+        raise UserError(f"data.image_size={size} must be a multiple of 16 (8x VAE, 2x2 patches)")
     latent_shape = (latents.LATENT_CHANNELS, size // 8, size // 8)
     return shards.RecordSpec(latent_shape, int(config.data.txt_len), int(context_in_dim), int(vec_in_dim))
 
 
 def _default_host_batch(config, process_count: int) -> int:
     if config.global_batch_size % process_count:
-        raise ValueError(
+        raise UserError(
             f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} "
             "processes: pick a multiple"
         )
@@ -143,7 +144,7 @@ def build_dataset(
     if split not in _SPLIT_IDS:
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     if len(source) < process_count * per_host_batch and split == "val":
-        raise ValueError(
+        raise UserError(
             f"validation data has {len(source)} records, fewer than one global batch "
             f"({process_count} x {per_host_batch}): add records to data.val_path or lower the batch"
         )
@@ -168,7 +169,16 @@ def build_dataset(
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=2))
+        # Worker batches arrive in shared memory, freed when the last view of them is deleted.
+        # A batch the program still holds at exit (on CPU, device_put even keeps the numpy buffer)
+        # is never freed, and Python warns of leaked shared_memory objects; so each batch is
+        # copied into process memory here and its shared memory freed at once.
+        it = it.map(_to_process_memory)
     return it
+
+
+def _to_process_memory(batch: dict) -> dict:
+    return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def make_pipeline(
@@ -190,7 +200,7 @@ def make_pipeline(
     """
     source_name = config.data.source
     if source_name not in ("shards", "mock"):
-        raise ValueError(
+        raise UserError(
             f"data.source={source_name!r}: the grain pipeline reads 'shards' or 'mock' ('toy' is "
             "flux_jax.toy); pick one of 'toy', 'shards', 'mock'"
         )
@@ -198,7 +208,7 @@ def make_pipeline(
     spec = record_spec(config, context_in_dim, vec_in_dim)
     cfg_p = float(config.data.cfg_dropout_prob)
     if not 0.0 <= cfg_p <= 1.0:
-        raise ValueError(f"data.cfg_dropout_prob={cfg_p} must be in [0, 1]")
+        raise UserError(f"data.cfg_dropout_prob={cfg_p} must be in [0, 1]")
     if source_name == "mock":
         source = MockSource(spec, mock_records, seed=_SPLIT_IDS.get(split, 0))
         rng = np.random.default_rng([config.seed, 99])
@@ -210,7 +220,7 @@ def make_pipeline(
         field = "data.path" if split == "train" else "data.val_path"
         path = config.data.path if split == "train" else config.data.val_path
         if not path:
-            raise ValueError(
+            raise UserError(
                 f"{field} is empty: set it to a shard folder written by `python -m flux_jax.prepare`"
             )
         source = shards.ShardSource(path, spec)

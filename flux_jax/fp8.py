@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax.errors import UserError, block
 from flux_jax.fp8_cast import CAST_KERNELS, triton_available
 from flux_jax.fp8_dot import (
     AMAX_ALGOS,
@@ -50,6 +51,7 @@ __all__ = [
     "make_policy",
     "config_problems",
     "validate_config",
+    "config_problems",
     "merge_states",
     "summarize",
 ]
@@ -139,11 +141,15 @@ def _get(config, name, default=None):
     return config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
 
 
-def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
-    """Every bad FP8 field of ``config``, each named with the fix; [] when config.fp8 is None.
+def validate_config(config, desc: DeviceDescription | None = None) -> None:
+    """Raises one UserError naming every bad FP8 field and its fix; no-op when config.fp8 is None."""
+    problems = config_problems(config, desc)
+    if problems:
+        raise UserError(block("Invalid FP8 config", problems))
 
-    ``config_check.validate`` lists these with the rest of the config's problems.
-    """
+
+def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
+    """One line per bad FP8 field (the value, what is allowed, the fix); empty when config.fp8 is None."""
     fmt = _get(config, "fp8")
     if fmt is None:
         return []
@@ -183,7 +189,7 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
             "on NVIDIA GPUs only and has not run on an AMD GPU; 'auto' uses the XLA cast there.",
             stacklevel=2,
         )
-    if not supports_fp8_gemm(desc):
+    if fmt in FORMATS and not supports_fp8_gemm(desc):
         bad.append(
             f"config.fp8={fmt!r} but this device ({desc.platform} {desc.device_kind!r}, compute "
             f"capability {desc.compute_capability!r}) has no FP8 GEMMs (needs CUDA cc >= 8.9 or "
@@ -196,13 +202,6 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
             "fp8_recipe='delayed', 'tensorwise' or 'rowwise'"
         )
     return bad
-
-
-def validate_config(config, desc: DeviceDescription | None = None) -> None:
-    """Raise one ValueError naming every bad FP8 field and the fix; no-op when config.fp8 is None."""
-    bad = config_problems(config, desc)
-    if bad:
-        raise ValueError("; ".join(bad) + ".")
 
 
 def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:

@@ -1,8 +1,10 @@
 """Model FLOP count, device peak, and the metrics writer (metrics.jsonl + TensorBoard)."""
 
+import glob
 import json
 import os
 import resource
+import struct
 from typing import Any
 
 import jax
@@ -69,17 +71,26 @@ def memory_metrics() -> dict[str, float]:
 
 
 class MetricWriter:
-    """Appends JSON lines to WORKDIR/metrics.jsonl and scalars to TensorBoard (process 0 only)."""
+    """Appends JSON lines to WORKDIR/metrics.jsonl and scalars to TensorBoard (process 0 only).
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    ``resume_step``: the step the run starts from (0 for a fresh run). What an earlier run logged after
+    it (the steps since its last checkpoint, which this run trains again) is removed first, from
+    metrics.jsonl and from the TensorBoard event files, so no step is logged twice.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
         if not enabled:
             return
         from tensorboardX import SummaryWriter
 
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        path, tb_dir = os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "tensorboard")
+        truncate_jsonl(path, resume_step)
+        truncate_events(tb_dir, resume_step)
+        self._jsonl = open(path, "a")
+        # purge_step also tells TensorBoard itself to drop older events after resume_step.
+        self._tb = SummaryWriter(tb_dir, purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, step: int, values: dict[str, Any], prefix: str = "train") -> None:
         if not self.enabled:
@@ -95,3 +106,92 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def last_losses(path: str) -> dict[str, float | None]:
+    """The last logged train and validation loss of a metrics.jsonl (None where none was logged)."""
+    out: dict[str, float | None] = {"train": None, "val": None}
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            for line in f:
+                row = _json_or_none(line)
+                if row and row.get("split") in out and "loss" in row:
+                    out[row["split"]] = float(row["loss"])
+    return out
+
+
+def _replace(path: str, write) -> None:
+    """Rewrites ``path`` through a temporary file, so a crash leaves the old or the new file whole."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def _json_or_none(line: bytes) -> dict | None:
+    """A metrics line, or None for a blank or partly written one (a run killed mid-write)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def truncate_jsonl(path: str, step: int) -> int:
+    """Drops the lines of a metrics.jsonl with a step after ``step``; returns how many were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    keep = [line for line in lines if (row := _json_or_none(line)) is not None and row.get("step", 0) <= step]
+    if len(keep) < len(lines):
+        _replace(path, lambda f: f.writelines(keep))
+    return len(lines) - len(keep)
+
+
+def _records(path: str) -> list[bytes]:
+    """The records of a TFRecord file (TensorBoard events); stops at a truncated last record."""
+    out = []
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        out.append(data[pos + 12 : pos + 12 + length])
+        pos = end
+    return out
+
+
+def read_events(tb_dir: str) -> list:
+    """Every event (tensorboardX Event protos) in the event files of ``tb_dir``, file by file."""
+    from tensorboardX.proto import event_pb2
+
+    files = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
+    return [event_pb2.Event.FromString(r) for path in files for r in _records(path)]
+
+
+def truncate_events(tb_dir: str, step: int) -> int:
+    """Drops the events after ``step`` from the event files in ``tb_dir``; returns how many."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
+    def masked(data: bytes) -> bytes:
+        return struct.pack("<I", masked_crc32c(data))
+
+    dropped = 0
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))):
+        records = _records(path)
+        keep = [r for r in records if event_pb2.Event.FromString(r).step <= step]
+        if len(keep) == len(records):
+            continue
+        dropped += len(records) - len(keep)
+
+        def write(f, keep=keep):
+            for r in keep:
+                header = struct.pack("<Q", len(r))
+                f.write(header + masked(header) + r + masked(r))
+
+        _replace(path, write)
+    return dropped

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flux_jax.errors import UserError
 from flux_jax.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, dense
 from flux_jax.math import embed_nd, timestep_embedding
 
@@ -50,13 +51,13 @@ class FluxParams:
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
-            raise ValueError(
+            raise UserError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
                 "change model.hidden_size or model.num_heads."
             )
         head_dim = self.hidden_size // self.num_heads
         if sum(self.axes_dim) != head_dim:
-            raise ValueError(
+            raise UserError(
                 f"sum(axes_dim)={sum(self.axes_dim)} must equal head_dim "
                 f"(hidden_size/num_heads={head_dim}); fix axes_dim or model.num_heads."
             )
@@ -266,9 +267,7 @@ class Flux(nn.Module):
         if self.remat is None:
             return cls
         if self.remat not in _REMAT_POLICIES:
-            raise ValueError(
-                f"recompute_granularity must be None, 'selective' or 'full', got {self.remat!r}."
-            )
+            raise UserError(f"recompute_granularity must be None, 'selective' or 'full', got {self.remat!r}.")
         # Under scan the loop body already blocks CSE across iterations.
         return nn.remat(cls, policy=_REMAT_POLICIES[self.remat](), prevent_cse=not self.scan_blocks)
 

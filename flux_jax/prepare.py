@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flux_jax import cli, shards
+from flux_jax.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 ARROW_COLUMNS = ("t5_encodings", "clip_encodings", "mean", "logvar")
@@ -26,7 +27,7 @@ ARROW_COLUMNS = ("t5_encodings", "clip_encodings", "mean", "logvar")
 def _to_array(value, shape: tuple[int, ...], column: str, where: str) -> np.ndarray:
     x = np.asarray(value, np.float32)
     if x.size != int(np.prod(shape)):
-        raise ValueError(f"{where}: column {column!r} has {x.size} values, expected shape {shape}")
+        raise UserError(f"{where}: column {column!r} has {x.size} values, expected shape {shape}")
     return x.reshape(shape)
 
 
@@ -39,7 +40,7 @@ def _arrow_files(inputs: list[str]) -> list[Path]:
             else [item]
         )
     if not files:
-        raise ValueError(f"no .parquet/.arrow files found in {inputs}")
+        raise UserError(f"no .parquet/.arrow files found in {inputs}")
     return files
 
 
@@ -48,7 +49,7 @@ def _arrow_batches(path: Path):
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ValueError("reading Arrow/Parquet needs pyarrow: `pip install pyarrow`") from e
+        raise UserError("reading Arrow/Parquet needs pyarrow: `pip install pyarrow`") from e
     if path.suffix == ".parquet":
         yield from pq.ParquetFile(path).iter_batches(batch_size=64)
     else:
@@ -74,7 +75,7 @@ def arrow_samples(files: list[Path], spec: shards.RecordSpec) -> Iterator[dict]:
         for batch in _arrow_batches(path):
             missing = [c for c in ARROW_COLUMNS if c not in batch.schema.names]
             if missing:
-                raise ValueError(f"{path}: missing columns {missing}; MLPerf files have {ARROW_COLUMNS}")
+                raise UserError(f"{path}: missing columns {missing}; MLPerf files have {ARROW_COLUMNS}")
             cols = {c: batch.column(c).to_pylist() for c in ARROW_COLUMNS}
             extra = {
                 c: batch.column(c).to_pylist()
@@ -160,15 +161,15 @@ def _load_image(path: Path, size: int) -> np.ndarray:
 
 def image_items(folder: Path) -> list[tuple[Path, str]]:
     if not folder.is_dir():
-        raise ValueError(f"image folder {folder} does not exist")
+        raise UserError(f"image folder {folder} does not exist")
     items = []
     for p in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
         txt = p.with_suffix(".txt")
         if not txt.is_file():
-            raise ValueError(f"{p} has no caption file {txt}: write one (it may be empty)")
+            raise UserError(f"{p} has no caption file {txt}: write one (it may be empty)")
         items.append((p, txt.read_text().strip()))
     if not items:
-        raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+        raise UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
     return items
 
 
@@ -225,27 +226,74 @@ def prepare_arrow(args) -> int:
     return write_shards(arrow_samples(_arrow_files(args.input), spec), out, args.records_per_shard)
 
 
+_EPILOG = """\
+Examples:
+  python -m flux_jax.prepare arrow --out data/train --empty empty.parquet mlperf/train/
+  python -m flux_jax.prepare images --out data/train --vae sd-vae/ --t5 t5-v1_1-xxl/ \\
+      --clip clip-vit-large-patch14/ --image-size 256 photos/
+
+Then train with --config.data.source=shards --config.data.path=data/train (and data.val_path for
+validation shards written the same way). Rerunning the same command resumes: complete shards are kept.
+"""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m flux_jax.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=("arrow", "images"))
-    p.add_argument("input", nargs="+", help="arrow: files or folders; images: one image folder")
-    p.add_argument("--out", required=True, help="shard folder (data.path)")
-    p.add_argument("--records-per-shard", type=int, default=1024)
-    p.add_argument("--image-size", type=int, default=256)
-    p.add_argument("--txt-len", type=int, default=256)
-    p.add_argument("--t5-dim", type=int, default=4096)
-    p.add_argument("--clip-dim", type=int, default=768)
-    p.add_argument("--empty", help="arrow: file holding the empty-prompt t5/clip encodings")
-    p.add_argument("--vae", help="images: local diffusers AutoencoderKL folder")
-    p.add_argument("--t5", help="images: local T5EncoderModel + tokenizer folder")
-    p.add_argument("--clip", help="images: local CLIPTextModel + tokenizer folder")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="cpu")
+    p = argparse.ArgumentParser(
+        prog="python -m flux_jax.prepare",
+        description=__doc__.split("\n")[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "mode",
+        choices=("arrow", "images"),
+        help="arrow: convert MLPerf preprocessed Arrow/Parquet files (T5/CLIP encodings and VAE latents "
+        "already computed); images: encode a folder of images with captions (NAME.txt beside NAME.jpg)",
+    )
+    p.add_argument(
+        "input", nargs="+", help="arrow: .parquet/.arrow files or folders of them; images: one image folder"
+    )
+    p.add_argument("--out", required=True, help="shard folder to write (use it as config data.path)")
+    p.add_argument(
+        "--records-per-shard", type=int, default=1024, help="samples per shard file (default 1024)"
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=256,
+        help="pixels, a multiple of 16; must equal the training config's data.image_size (default 256)",
+    )
+    p.add_argument(
+        "--txt-len", type=int, default=256, help="T5 tokens per caption; = config data.txt_len (default 256)"
+    )
+    p.add_argument(
+        "--t5-dim", type=int, default=4096, help="T5 embedding width; = the model's context_in_dim (4096)"
+    )
+    p.add_argument(
+        "--clip-dim", type=int, default=768, help="pooled CLIP width; = the model's vec_in_dim (768)"
+    )
+    p.add_argument(
+        "--empty",
+        help="arrow: a Parquet/Arrow file whose first row holds the empty-prompt T5/CLIP encodings, "
+        "used for caption dropout (data.cfg_dropout_prob > 0); images mode encodes them itself",
+    )
+    p.add_argument("--vae", help="images: local diffusers AutoencoderKL folder (required for images)")
+    p.add_argument("--t5", help="images: local T5EncoderModel + tokenizer folder (required for images)")
+    p.add_argument("--clip", help="images: local CLIPTextModel + tokenizer folder (required for images)")
+    p.add_argument("--batch-size", type=int, default=16, help="images: images encoded at once (default 16)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="images: torch device for the encoders, e.g. cpu or cuda (default cpu)",
+    )
     args = p.parse_args(argv)
     if args.mode == "images" and not (args.vae and args.t5 and args.clip):
         p.error("images mode needs --vae, --t5 and --clip")
     if args.image_size % 16:
         p.error(f"--image-size={args.image_size} must be a multiple of 16")
+    for name in ("records_per_shard", "batch_size", "txt_len", "t5_dim", "clip_dim", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     return args
 
 

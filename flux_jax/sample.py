@@ -3,12 +3,12 @@
 CLI: python -m flux_jax.sample --workdir W --config configs/toy.py --num_steps N --out DIR
 restores the newest checkpoint's params, samples toy captions (or the first validation batch of
 stored encodings), decodes them (toy linear decoder, or the FLUX autoencoder given --ae) and writes
-one PNG per sample plus grid.png and prompts.txt.
+one PNG per sample plus grid.png and prompts.txt. The toy decoder works at latent resolution
+(image_size / 8), so its images are enlarged 8x, each latent pixel an 8x8 block.
 """
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +20,8 @@ import ml_collections
 import numpy as np
 
 from flux_jax import cli, flow, latents
+from flux_jax.config_cli import load_config
+from flux_jax.errors import UserError
 
 
 def get_schedule(num_steps: int, image_seq_len: int, shift: bool) -> jax.Array:
@@ -100,6 +102,11 @@ def make_grid(images: np.ndarray, cols: int | None = None, pad: int = 2) -> np.n
     return grid
 
 
+def upscale(images: np.ndarray, factor: int) -> np.ndarray:
+    """(N, H, W, C) -> (N, H * factor, W * factor, C), each pixel repeated (nearest neighbour)."""
+    return np.repeat(np.repeat(images, factor, axis=1), factor, axis=2)
+
+
 def write_png(path: str, image: np.ndarray) -> None:
     from PIL import Image
 
@@ -125,17 +132,6 @@ def write_images(out_dir: str, images: np.ndarray, prompts: list[str]) -> list[s
 # ---- CLI ----------------------------------------------------------------------------------------
 
 
-def load_config(spec: str):
-    """`configs/NAME.py[:arg]` -> the ConfigDict from its get_config(arg)."""
-    path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ValueError(f"--config {spec}: no such file; pass configs/NAME.py[:arg]")
-    module_spec = importlib.util.spec_from_file_location("_flux_jax_sample_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
-
-
 def _saved_config(step_dir) -> dict | None:
     meta = step_dir / "config" / "metadata"
     return json.loads(meta.read_text()) if meta.exists() else None
@@ -151,12 +147,16 @@ def _conditioning(config, fp, num_images: int, prompts: list[str] | None):
         enc = [toy.embed_caption(p, config.data.txt_len, fp.context_in_dim, fp.vec_in_dim) for p in prompts]
         return prompts, np.stack([e[0] for e in enc]), np.stack([e[1] for e in enc]), size
     if prompts:
-        raise ValueError(
+        raise UserError(
             "--prompt only works with data.source='toy'; real prompts need stored T5/CLIP encodings"
         )
     from flux_jax import setup
 
-    batch = next(iter(setup.make_pipeline(config, "val", 0, 1, fp=fp, per_host_batch=num_images)))
+    pipeline = setup.make_pipeline(config, "val", 0, 1, fp=fp, per_host_batch=num_images)
+    try:
+        batch = next(iter(pipeline))
+    finally:
+        pipeline.close()  # stops loader workers and frees their shared memory
     names = [f"val[{i}]" for i in range(num_images)]
     return names, np.asarray(batch["txt"]), np.asarray(batch["y"]), size
 
@@ -197,23 +197,29 @@ def main(argv=None) -> None:
     from flux_jax import checkpoint, model, setup, toy
 
     config = load_config(args.config)
+    if not os.path.isdir(args.workdir):
+        raise UserError(
+            f"--workdir {args.workdir} does not exist, so it has no checkpoints to sample from: train "
+            f"there first (python -m flux_jax.train --config {args.config} --workdir {args.workdir}) or "
+            "point --workdir at a run directory."
+        )
     ckpt = checkpoint.Checkpointer(args.workdir, config)
     saved_steps = ckpt.all_steps()
     if not saved_steps:
-        raise ValueError(
+        raise UserError(
             f"--workdir {args.workdir} has no checkpoints (looked in {ckpt.directory}): train there first "
             f"(python -m flux_jax.train --config {args.config} --workdir {args.workdir}) or point --workdir "
             "at a run directory."
         )
     step = args.step if args.step is not None else max(saved_steps)
     if step not in saved_steps:
-        raise ValueError(f"--step {step}: no such checkpoint in {ckpt.directory}; saved steps: {saved_steps}")
+        raise UserError(f"--step {step}: no such checkpoint in {ckpt.directory}; saved steps: {saved_steps}")
     step_dir = ckpt.directory / str(step)
     saved = _saved_config(step_dir)
     # The checkpoint's own config wins: it records command-line overrides the file does not.
     config = ml_collections.ConfigDict(saved) if saved else config
     if not args.ae and config.data.source != "toy":
-        raise ValueError(
+        raise UserError(
             f"data.source={config.data.source!r} latents need a real decoder: pass --ae (BFL "
             "ae.safetensors or a diffusers vae folder)"
         )
@@ -249,10 +255,18 @@ def main(argv=None) -> None:
 
         ae_params, ae_vars = autoencoder.load_autoencoder(args.ae)
         images = (np.asarray(autoencoder.decode_nchw(ae_vars, unpacked, ae_params)) + 1.0) / 2.0
+        note = ""
     else:
-        images = toy.decode(unpacked)
+        # The toy data has no VAE: its images are the latents through a fixed colour map, at latent
+        # resolution. Each latent pixel becomes an 8x8 block, the size a VAE would decode it to.
+        factor = config.data.image_size // size
+        images = upscale(toy.decode(unpacked), factor)
+        note = (
+            f" (toy decoder: {size}x{size} latents shown as {images.shape[1]}x{images.shape[2]} images, "
+            f"each latent pixel as an {factor}x{factor} block)"
+        )
     paths = write_images(args.out, images, prompts)
-    print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
+    print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}{note}")
 
 
 if __name__ == "__main__":

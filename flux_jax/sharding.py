@@ -19,6 +19,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flux_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Order matters: for each array dimension the first rule whose mesh axes are still free in that
@@ -50,24 +52,24 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
     """Fills the one -1 entry with the devices left over; checks the product."""
     unknown = [name for name in MESH_AXES if sizes[name] == -1]
     if len(unknown) > 1:
-        raise ValueError(
+        raise UserError(
             f"config.mesh: at most one of data/fsdp/tensor may be -1, got {dict(sizes)}; "
             "set the others to explicit sizes."
         )
     for name in MESH_AXES:
         if sizes[name] != -1 and sizes[name] < 1:
-            raise ValueError(f"config.mesh.{name} must be a positive size or -1, got {sizes[name]}.")
+            raise UserError(f"config.mesh.{name} must be a positive size or -1, got {sizes[name]}.")
     known = math.prod(sizes[name] for name in MESH_AXES if sizes[name] != -1)
     shape = dict(sizes)
     if unknown:
         if num_devices % known:
-            raise ValueError(
+            raise UserError(
                 f"config.mesh: the fixed sizes {dict(sizes)} multiply to {known}, which does not divide "
                 f"the {num_devices} devices; choose sizes whose product divides {num_devices}."
             )
         shape[unknown[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(
+        raise UserError(
             f"config.mesh.data * config.mesh.fsdp * config.mesh.tensor = {known} ({dict(sizes)}) but "
             f"there are {num_devices} devices; make the product equal {num_devices} or set one to -1."
         )
@@ -84,7 +86,7 @@ def _split_over_hosts(shape: tuple[int, int, int], num_hosts: int) -> tuple[tupl
     dcn_data = math.gcd(data, num_hosts)
     dcn_fsdp = num_hosts // dcn_data
     if fsdp % dcn_fsdp:
-        raise ValueError(
+        raise UserError(
             f"config.mesh: data={data} x fsdp={fsdp} cannot be split over {num_hosts} hosts (tensor "
             f"parallelism stays within a host); make data * fsdp a multiple of {num_hosts} with the "
             "host count dividing data, or data times a divisor of fsdp."
@@ -108,7 +110,7 @@ def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
         ici_shape, dcn_shape = _split_over_hosts(shape, num_hosts)
         local = len(devices) // num_hosts
         if shape[2] > local:
-            raise ValueError(
+            raise UserError(
                 f"config.mesh.tensor={shape[2]} exceeds the {local} devices of one host; tensor "
                 "parallelism must stay within a host."
             )

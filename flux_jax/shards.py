@@ -32,6 +32,8 @@ import msgpack
 import numpy as np
 from array_record.python import array_record_module
 
+from flux_jax.errors import UserError
+
 SCHEMA_VERSION = 1
 EMPTY_ENCODINGS = "empty_encodings.npz"
 SHARD_SUFFIX = ".array_record"
@@ -65,13 +67,13 @@ def shard_name(index: int) -> str:
 def list_shards(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
-        raise ValueError(
+        raise UserError(
             f"shard directory {directory} does not exist: set data.path to a folder written by "
             "`python -m flux_jax.prepare`"
         )
     shards = sorted(directory.glob(f"*{SHARD_SUFFIX}"))
     if not shards:
-        raise ValueError(f"no *{SHARD_SUFFIX} files in {directory}: run `python -m flux_jax.prepare` first")
+        raise UserError(f"no *{SHARD_SUFFIX} files in {directory}: run `python -m flux_jax.prepare` first")
     return shards
 
 
@@ -80,7 +82,7 @@ def _pack_array(x: np.ndarray) -> dict:
     if x.dtype == np.float64:
         x = x.astype(np.float32)
     if x.dtype.name not in FLOAT_DTYPES:
-        raise ValueError(f"array dtype {x.dtype} is not one of {FLOAT_DTYPES}")
+        raise UserError(f"array dtype {x.dtype} is not one of {FLOAT_DTYPES}")
     return {"dtype": x.dtype.name, "shape": list(x.shape), "data": np.ascontiguousarray(x).tobytes()}
 
 
@@ -101,19 +103,19 @@ def encode_record(sample: Mapping) -> bytes:
 
 def _unpack_array(obj, name: str, where: str) -> np.ndarray:
     if not isinstance(obj, dict) or not {"dtype", "shape", "data"} <= obj.keys():
-        raise ValueError(f"{where}: field {name!r} is not an array map with dtype/shape/data")
+        raise UserError(f"{where}: field {name!r} is not an array map with dtype/shape/data")
     if obj["dtype"] not in FLOAT_DTYPES:
-        raise ValueError(f"{where}: field {name!r} has dtype {obj['dtype']}, expected one of {FLOAT_DTYPES}")
+        raise UserError(f"{where}: field {name!r} has dtype {obj['dtype']}, expected one of {FLOAT_DTYPES}")
     dtype = np_dtype(obj["dtype"])
     shape = tuple(int(s) for s in obj["shape"])
     if len(obj["data"]) != dtype.itemsize * int(np.prod(shape)):
-        raise ValueError(f"{where}: field {name!r} holds {len(obj['data'])} bytes, not shape {shape} {dtype}")
+        raise UserError(f"{where}: field {name!r} holds {len(obj['data'])} bytes, not shape {shape} {dtype}")
     return np.frombuffer(obj["data"], dtype=dtype).reshape(shape)
 
 
 def _check_shape(x: np.ndarray, expected: tuple, name: str, where: str) -> None:
     if x.shape != tuple(expected):
-        raise ValueError(
+        raise UserError(
             f"{where}: field {name!r} has shape {x.shape}, expected {tuple(expected)} "
             "(check data.image_size / data.txt_len against the shards)"
         )
@@ -124,21 +126,21 @@ def decode_record(raw: bytes, spec: RecordSpec, where: str) -> dict:
     try:
         rec = msgpack.unpackb(raw, raw=False)
     except Exception as e:  # msgpack raises several unrelated types on corrupt input
-        raise ValueError(
+        raise UserError(
             f"{where}: record is not valid msgpack ({e}); the shard is corrupt, rewrite it"
         ) from e
     if not isinstance(rec, dict):
-        raise ValueError(f"{where}: record is not a msgpack map")
+        raise UserError(f"{where}: record is not a msgpack map")
     if rec.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(
+        raise UserError(
             f"{where}: schema_version {rec.get('schema_version')!r}, this reader needs {SCHEMA_VERSION}"
         )
     has_posterior = "mean" in rec and "logvar" in rec
     if not has_posterior and "latent" not in rec:
-        raise ValueError(f"{where}: missing field 'mean'+'logvar' (or 'latent')")
+        raise UserError(f"{where}: missing field 'mean'+'logvar' (or 'latent')")
     for name in ("t5_encodings", "clip_encodings"):
         if name not in rec:
-            raise ValueError(f"{where}: missing field {name!r}")
+            raise UserError(f"{where}: missing field {name!r}")
     out = {"id": str(rec.get("id", "")), "caption": str(rec.get("caption", ""))}
     if rec.get("timestep") is not None:
         out["timestep"] = int(rec["timestep"])
@@ -178,7 +180,7 @@ def write_empty_encodings(directory: str | os.PathLike, t5: np.ndarray, clip: np
 def read_empty_encodings(directory: str | os.PathLike, spec: RecordSpec) -> tuple[np.ndarray, np.ndarray]:
     path = Path(directory) / EMPTY_ENCODINGS
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"{path} is missing: CFG dropout needs the empty-prompt encodings; write them with "
             "`python -m flux_jax.prepare` or set data.cfg_dropout_prob=0"
         )
@@ -186,9 +188,9 @@ def read_empty_encodings(directory: str | os.PathLike, spec: RecordSpec) -> tupl
         with np.load(path) as f:
             t5, clip = f["t5"], f["clip"]
     except Exception as e:
-        raise ValueError(f"{path}: unreadable empty encodings ({e}); rewrite it") from e
+        raise UserError(f"{path}: unreadable empty encodings ({e}); rewrite it") from e
     if t5.shape != (spec.txt_len, spec.t5_dim) or clip.shape != (spec.clip_dim,):
-        raise ValueError(
+        raise UserError(
             f"{path}: t5 {t5.shape} / clip {clip.shape}, expected "
             f"{(spec.txt_len, spec.t5_dim)} / {(spec.clip_dim,)} (check data.txt_len)"
         )
@@ -199,9 +201,7 @@ def _open_reader(path: Path):
     try:
         return array_record_module.ArrayRecordReader(str(path))
     except Exception as e:
-        raise ValueError(
-            f"{path}: cannot open shard ({e}); it is truncated or not an ArrayRecord file"
-        ) from e
+        raise UserError(f"{path}: cannot open shard ({e}); it is truncated or not an ArrayRecord file") from e
 
 
 class ShardSource:
@@ -220,7 +220,7 @@ class ShardSource:
                 counts.append(reader.num_records())
                 reader.close()
             except Exception as e:
-                raise ValueError(
+                raise UserError(
                     f"{p}: cannot open shard ({e!r}); it is truncated or not an ArrayRecord file, rewrite it"
                 ) from e
         self._offsets = np.cumsum([0, *counts])
@@ -245,7 +245,7 @@ class ShardSource:
         try:
             raw = self._readers[shard].read([local])[0]
         except Exception as e:
-            raise ValueError(
+            raise UserError(
                 f"{where}: cannot read ({e}); the shard is truncated or corrupt, rewrite it"
             ) from e
         return decode_record(raw, self.spec, where)

@@ -14,6 +14,7 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 from flux_jax import latents
+from flux_jax.errors import UserError
 
 COLOURS = {
     "red": (1.0, 0.1, 0.1),
@@ -82,7 +83,7 @@ def embed_caption(caption: str, txt_len: int, context_in_dim: int, vec_in_dim: i
     """Caption -> (txt (txt_len, context_in_dim), y (vec_in_dim)), like padded T5 and pooled CLIP."""
     words = caption.split(" ")
     if txt_len < len(words):
-        raise ValueError(f"data.txt_len={txt_len} is shorter than a toy caption ({len(words)} words).")
+        raise UserError(f"data.txt_len={txt_len} is shorter than a toy caption ({len(words)} words).")
     txt = np.zeros((txt_len, context_in_dim), np.float32)
     for i, w in enumerate(words):
         txt[i] = word_vector(w, context_in_dim)
@@ -114,7 +115,7 @@ class ToyPipeline:
         if split not in ("train", "val"):
             raise ValueError(f"toy data split={split!r} must be 'train' or 'val'.")
         if image_size % 16:
-            raise ValueError(f"data.image_size={image_size} must be a multiple of 16 (8x VAE, 2x2 patches).")
+            raise UserError(f"data.image_size={image_size} must be a multiple of 16 (8x VAE, 2x2 patches).")
         self.seed, self.split, self.batch_size = seed, split, batch_size
         self.latent_size = image_size // 8
         self.txt_len, self.cfg_dropout_prob = txt_len, cfg_dropout_prob

@@ -4,19 +4,18 @@ train_and_evaluate runs the chain config -> mesh -> data -> model (+ fp8 state) 
 checkpoint, then the loop, top to bottom. The step functions themselves are in ``flux_jax.steps``.
 """
 
+import argparse
 import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import app, flags
-from absl import logging as absl_logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
 from flux_jax import (
@@ -24,6 +23,8 @@ from flux_jax import (
     choices,
     cli,
     config_check,
+    config_cli,
+    console,
     flow,
     fp8,
     metrics,
@@ -33,8 +34,9 @@ from flux_jax import (
     sharding,
     steps,
 )
+from flux_jax.errors import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flux_jax.train")  # also when run as __main__
 
 _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
@@ -65,6 +67,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     Returns the final metrics: last train loss, last validation loss, steps run, skipped steps.
     """
+    t_start = time.perf_counter()
     # ---- Config -------------------------------------------------------------------------------
     desc = fp8.describe_device()
     config_check.validate(config, jax.device_count(), jax.process_count(), desc=desc)
@@ -78,7 +81,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         ", ".join(f"{field}={value}" for field, value in resolved.items()),
     )
     is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
+    _make_workdir(workdir)
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
@@ -92,7 +95,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # ---- Data ---------------------------------------------------------------------------------
     train_iter = setup.make_pipeline(config, "train", fp=fp)
     if config.eval_interval:
-        next(setup.make_pipeline(config, "val", fp=fp))  # a bad validation set fails before compiling
+        with _closing_pipeline(setup.make_pipeline(config, "val", fp=fp)) as val_iter:
+            next(val_iter)  # a bad validation set fails before compiling
 
     # ---- State: the newest checkpoint, else a sharded init ------------------------------------
     abstract, state_shardings = setup.abstract_state(run)
@@ -106,8 +110,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         fresh = setup.fresh_fp8_meta(run, state_shardings)
         state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fresh)
         train_iter.set_state(data_state)
-        log.info("Resumed from step %d", start)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    log.info("%s", console.start_line(config, workdir, mesh, n_params, use_fp8, start))
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):
@@ -123,15 +127,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     train_step, eval_step = compile_steps(use_fp8)
     flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])
-    writer = metrics.MetricWriter(workdir, enabled=is_main)
+    writer = metrics.MetricWriter(workdir, enabled=is_main, resume_step=start or 0)
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
-        val_iter = setup.make_pipeline(config, "val", fp=fp)
-        for i in range(config.eval_iters):
-            batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
-            s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
-            sums, counts = sums + s, counts + c
+        with _closing_pipeline(setup.make_pipeline(config, "val", fp=fp)) as val_iter:
+            for i in range(config.eval_iters):
+                batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
+                s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
+                sums, counts = sums + s, counts + c
         val, per_t = flow.validation_loss(sums, counts)
         values = {"loss": float(val)} | {f"loss_t{k}": float(v) for k, v in enumerate(per_t)}
         writer.write(step, values, prefix="val")
@@ -153,7 +157,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Train loop ---------------------------------------------------------------------------
     first = int(state["step"])
-    result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False}
+    result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False, "signal": None}
+    if first >= config.train_iters:
+        log.info("%s", console.finished_message(workdir, first, config.train_iters))
     progress = _Progress(first, config.max_nonfinite_steps)
     bar = tqdm(total=config.train_iters, initial=first, disable=not is_main, dynamic_ncols=True)
     # The host reads a step's metrics only after the next step is queued, so it fetches and
@@ -162,10 +168,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # waits for checkpoint writes in flight.
     pending = None
     guard = preemption.install_handler()
-    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
+    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes), writer, data
+    finish.callback(_close_pipeline, train_iter)
     for closable in (writer, ckpt, bar):
         finish.callback(closable.close)
-    with finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
+    # The guard is outermost: a second signal while the checkpoint is still being written is
+    # caught by it too, instead of interrupting the write.
+    with guard, finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         for step in range(first, config.train_iters):
             batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
@@ -173,7 +182,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
             due = last or evaluate or done % config.log_interval == 0 or ckpt.due(done)
-            # SIGTERM / SIGINT: keep this step, then stop; the same command resumes from it.
+            # SIGTERM / SIGINT / SIGHUP: keep this step, then stop; the same command resumes from it.
             preempted = guard.preempted(can_sync=due)
             read_now = due or preempted
             reads = ([pending] if pending else []) + ([(done, m)] if read_now else [])
@@ -190,8 +199,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             bar.update(1)
             ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
             if preempted:
-                log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
-                result["preempted"] = True
+                result["preempted"], result["signal"] = True, guard.signum
                 break
             if evaluate:
                 result["val_loss"] = run_eval(done)
@@ -201,7 +209,26 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     ckpt.save(done, state, train_iter.get_state(), force=True)
                     break
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
-    return result | {"params": n_params}
+    result |= {"params": n_params, "seconds": time.perf_counter() - t_start}
+    if first < config.train_iters:
+        log.info("%s", console.end_summary(result, first, workdir, ckpt.latest_step()))
+    return result
+
+
+def _close_pipeline(iterator) -> None:
+    """Stops a data pipeline's worker processes and frees their shared memory (grain iterators have
+    ``close``; the toy iterator has nothing to free). Unclosed, the workers die with the program and
+    Python warns of leaked shared_memory objects."""
+    if callable(close := getattr(iterator, "close", None)):
+        close()
+
+
+@contextlib.contextmanager
+def _closing_pipeline(iterator):
+    try:
+        yield iterator
+    finally:
+        _close_pipeline(iterator)
 
 
 class _Progress:
@@ -241,25 +268,44 @@ class _Progress:
         return losses, steps_s
 
 
-def setup_logging(logger: logging.Logger) -> None:
-    """CLI logging: INFO lines from ``logger``; library INFO chatter (orbax) is dropped."""
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+def _make_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_test_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise UserError(
+            f"--workdir {workdir}: cannot write there ({err.strerror}). Pass a directory you can write to."
+        ) from None
 
 
-def main(argv) -> None:
-    del argv
-    # Progress goes to tqdm and this module's log.
-    setup_logging(log)
-    train_and_evaluate(config_check.none_from_command_line(flags.FLAGS.config), flags.FLAGS.workdir)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flux_jax.train",
+        description="Trains a FLUX model per a config; rerunning the same command resumes from the "
+        "last checkpoint in --workdir.",
+        allow_abbrev=False,
+    )
+    config_cli.add_config_argument(p)
+    p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics and config.json")
+    return p
+
+
+def main(argv=None) -> int:
+    """Exit status: 0 when done or stopped by SIGTERM (after a complete checkpoint), 130 for SIGINT,
+    129 for SIGHUP (see flux_jax.preemption)."""
+    args, config = config_cli.parse(parser(), sys.argv[1:] if argv is None else argv)
+    # Progress goes to tqdm and the flux_jax loggers.
+    console.setup_logging(logging.getLogger("flux_jax"))
+    latest = checkpoint.latest_step_in(args.workdir)
+    if latest is not None and latest >= config.train_iters:
+        log.info("%s", console.finished_message(args.workdir, latest, config.train_iters))
+        return 0
+    result = train_and_evaluate(config, args.workdir)
+    return preemption.exit_status(result["signal"])
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:arg].", lock_config=True)
-    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(lambda argv: cli.run(lambda: main(argv)))
+    cli.run(main)

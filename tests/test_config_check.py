@@ -16,7 +16,7 @@ def test_every_invalid_field_is_named_in_one_error():
     with pytest.raises(ValueError) as err:
         config_check.validate(c)
     message = str(err.value)
-    assert message.startswith("Invalid config: ")
+    assert message.startswith("Invalid config (3 problems):\n")
     for expected in ("model.attention='flash'", "data.image_size=250", "lr_warmup_iters=-1"):
         assert expected in message
 

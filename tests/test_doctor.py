@@ -51,8 +51,47 @@ def test_report_on_this_machine():
     assert r["fp8_cast_kernel_auto"] in ("xla", "triton")
     if jax.default_backend() == "cpu":
         assert r["fp8_gemms_compiled"] is False
+        assert doctor.verdict(r).startswith("FP8 training: emulated on CPU")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="FP8 GEMM custom calls only exist on a GPU backend")
 def test_gpu_compiles_fp8_gemms():
     assert doctor.report()["fp8_gemm_custom_calls"] == 3
+
+
+def _report(**overrides):
+    base = {
+        "jax": "0.0",
+        "platform": "cuda",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "compute_capability": "9.0",
+        "format_family": "ocp",
+        "e4m3_dtype": "float8_e4m3fn",
+        "e5m2_dtype": "float8_e5m2",
+        "fp8_gemm_supported": True,
+        "fp8_gemm_custom_calls": 3,
+        "fp8_gemms_compiled": True,
+    }
+    return base | overrides
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({}, "FP8 training: ready (3 FP8 GEMMs"),
+        ({"platform": "cpu", "fp8_gemms_compiled": False}, "FP8 training: emulated on CPU"),
+        (
+            {"device_kind": "NVIDIA A100", "compute_capability": "8.0", "fp8_gemm_supported": False},
+            "FP8 training: not available: NVIDIA A100 (compute capability 8.0) has no FP8 GEMMs",
+        ),
+        (
+            {"fp8_gemm_custom_calls": 0, "fp8_gemms_compiled": False},
+            "FP8 training: not available: NVIDIA H100 80GB HBM3 has FP8 GEMMs but XLA",
+        ),
+    ],
+)
+def test_verdict_says_ready_emulated_or_why_not(overrides, expected):
+    line = doctor.verdict(_report(**overrides))
+    assert line.startswith(expected)
+    if "not available" in expected:
+        assert "--config.fp8=None" in line

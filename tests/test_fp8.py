@@ -79,6 +79,22 @@ def test_validate_config_names_field(field, value):
         fp8.validate_config(make_config(**{field: value}), H200)
 
 
+def test_validate_config_names_every_bad_field_in_one_error():
+    from flux_jax.errors import UserError
+
+    bad = dict(fp8_recipe="bogus", fp8_margin=-1, fp8_amax_compute_algo="mean", fp8_format_family="nanoo")
+    with pytest.raises(UserError) as err:
+        fp8.validate_config(make_config(**bad), H200)
+    message = str(err.value)
+    assert message.startswith("Invalid FP8 config (4 problems):")
+    for field, value in bad.items():
+        assert f"config.{field}={value!r}" in message
+    # The platform check joins the same list.
+    a100 = fp8.DeviceDescription("cuda", "NVIDIA A100", "8.0")
+    problems = fp8.config_problems(make_config(fp8_margin=-1), a100)
+    assert len(problems) == 2 and "has no FP8 GEMMs" in problems[1]
+
+
 def test_validate_config_platform():
     fp8.validate_config(make_config(), H200)
     fp8.validate_config(make_config(fp8=None, fp8_recipe="bogus"), H200)

@@ -145,7 +145,7 @@ def test_tiny_flux_denoise_shapes(tiny_dev):
     assert latents.unpack(out, LATENT, LATENT).shape == (B, 16, LATENT, LATENT)
 
 
-def test_cli_samples_from_checkpoint(tmp_path, tiny_dev):
+def test_cli_samples_from_checkpoint(tmp_path, tiny_dev, caplog):
     checkpoint = pytest.importorskip("flux_jax.checkpoint")
     _, params = tiny_dev
     config = sample.load_config("configs/toy.py")
@@ -158,14 +158,19 @@ def test_cli_samples_from_checkpoint(tmp_path, tiny_dev):
     ckpt.close()
     out = tmp_path / "out"
     # The CLI must take the model from the checkpoint's saved config, not the file's "toy" preset.
-    sample.main(
-        ["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--num_steps", "2"]
-        + ["--num_images", str(B), "--out", str(out), "--cfg_scale", "2.0"]
-    )
+    with caplog.at_level("WARNING"):
+        sample.main(
+            ["--workdir", str(tmp_path / "w"), "--config", "configs/toy.py", "--num_steps", "2"]
+            + ["--num_images", str(B), "--out", str(out), "--cfg_scale", "2.0"]
+        )
+    assert "Metadata file does not exist" not in caplog.text  # params are read without orbax warnings
     assert sorted(os.listdir(out)) == ["000.png", "001.png", "grid.png", "prompts.txt"]
     from PIL import Image
 
-    assert np.asarray(Image.open(out / "000.png")).shape == (LATENT, LATENT, 3)
+    # The toy decoder works at latent resolution; each latent pixel is shown as an 8x8 block.
+    image = np.asarray(Image.open(out / "000.png"))
+    assert image.shape == (LATENT * 8, LATENT * 8, 3)
+    np.testing.assert_array_equal(image, sample.upscale(image[::8, ::8][None], 8)[0])
     assert len((out / "prompts.txt").read_text().splitlines()) == B
 
 

@@ -112,6 +112,48 @@ def test_signal_saves_the_step_and_resume_continues(tiny_config, tmp_path, monke
     assert train.train_and_evaluate(config, str(tmp_path))["steps"] == 6
 
 
+def test_resume_drops_what_was_logged_after_the_restored_step(tiny_config, tmp_path, caplog):
+    # A run that logged step 5 but died before saving it resumes from step 4: metrics.jsonl and
+    # TensorBoard must hold each step once, from the run that trained it last.
+    import shutil
+
+    workdir = str(tmp_path)
+    config = tiny_config(train_iters=5, save_interval=2, eval_interval=0, log_interval=1)
+    first = train.train_and_evaluate(config, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "5"))
+    resumed = train.train_and_evaluate(config, workdir)
+    assert resumed["steps"] == 5
+    assert [x["step"] for x in _lines(workdir)] == [1, 2, 3, 4, 5]
+    assert _lines(workdir)[-1]["loss"] == pytest.approx(first["train_loss"], rel=1e-5)
+    events = metrics.read_events(os.path.join(workdir, "tensorboard"))
+    loss_steps = [e.step for e in events for v in e.summary.value if v.tag == "train/loss"]
+    assert sorted(loss_steps) == [1, 2, 3, 4, 5]
+    assert len(os.listdir(os.path.join(workdir, "tensorboard"))) == 2
+    # A finished workdir trains nothing and says so.
+    with caplog.at_level("INFO", logger="flux_jax.train"):
+        again = train.train_and_evaluate(config, workdir)
+    assert again["steps"] == 5 and "already holds a finished run: checkpoint at step 5" in caplog.text
+    assert [x["step"] for x in _lines(workdir)] == [1, 2, 3, 4, 5]
+
+
+def test_truncate_keeps_lines_and_events_up_to_the_step(tmp_path):
+    from tensorboardX import SummaryWriter
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')  # cut mid-write
+    assert metrics.truncate_jsonl(str(path), 2) == 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s in (1, 2, 3):
+        writer.add_scalar("train/loss", float(s), s)
+    writer.close()
+    assert metrics.truncate_events(str(tmp_path / "tb"), 2) == 1
+    events = metrics.read_events(str(tmp_path / "tb"))
+    scalars = [(e.step, e.summary.value[0].simple_value) for e in events if e.summary.value]
+    assert scalars == [(1, 1.0), (2, 2.0)]
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
