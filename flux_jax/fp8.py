@@ -48,6 +48,8 @@ __all__ = [
     "spec_from_config",
     "make_policy",
     "validate_config",
+    "validate_fp8_attention",
+    "attention_spec",
     "merge_states",
     "summarize",
 ]
@@ -137,6 +139,7 @@ def _get(config, name, default=None):
 def validate_config(config, desc: DeviceDescription | None = None) -> None:
     """Raise one ValueError naming the bad FP8 field and the fix; no-op when config.fp8 is None."""
     fmt = _get(config, "fp8")
+    validate_fp8_attention(config, desc)
     if fmt is None:
         return
     if fmt not in FORMATS:
@@ -176,6 +179,38 @@ def validate_config(config, desc: DeviceDescription | None = None) -> None:
             f"gfx950); this device is {desc.platform} {desc.device_kind!r}. Use "
             "fp8_recipe='delayed', 'tensorwise' or 'rowwise'."
         )
+
+
+def validate_fp8_attention(config, desc: DeviceDescription | None = None) -> None:
+    """``fp8_dot_product_attention`` needs FP8 on, cuDNN attention and an NVIDIA Hopper (or newer) GPU."""
+    if not _get(config, "fp8_dot_product_attention", False):
+        return
+    field = "config.fp8_dot_product_attention=True"
+    if _get(config, "fp8") is None:
+        raise ValueError(
+            f"{field} runs attention in FP8 inside the FP8 blocks; set config.fp8 too, or set it False."
+        )
+    model = _get(config, "model")
+    if model is not None and _get(model, "attention") != "cudnn":
+        raise ValueError(
+            f"{field} is cuDNN's FP8 attention; set config.model.attention='cudnn' (NVIDIA GPUs)."
+        )
+    desc = desc or describe_device()
+    cc = _cuda_cc(desc)
+    if desc.platform != "cuda" or cc is None or cc < (9, 0):
+        raise ValueError(
+            f"{field} needs cuDNN's FP8 flash attention, on NVIDIA Hopper or newer (compute capability "
+            f">= 9.0); this device is {desc.platform} {desc.device_kind!r} (compute capability "
+            f"{desc.compute_capability!r}). Set config.fp8_dot_product_attention=False."
+        )
+
+
+def attention_spec(config, desc: DeviceDescription | None = None) -> Fp8Spec | None:
+    """The FP8 attention's spec when ``config.fp8_dot_product_attention`` is set, else None."""
+    if _get(config, "fp8") is None or not _get(config, "fp8_dot_product_attention", False):
+        return None
+    validate_fp8_attention(config, desc)
+    return spec_from_config(config, desc)
 
 
 def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:

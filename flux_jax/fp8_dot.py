@@ -119,6 +119,8 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
     def walk(p, m):
         out = {}
         for k, v in m.items():
+            if k not in p:
+                continue  # state without a kernel (FP8 attention's)
             if "kernel_scale" not in v:
                 out[k] = walk(p[k], v)
                 continue
