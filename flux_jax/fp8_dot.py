@@ -119,10 +119,9 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
     def walk(p, m):
         out = {}
         for k, v in m.items():
-            if k not in p:
-                continue  # state without a kernel (FP8 attention's)
             if "kernel_scale" not in v:
-                out[k] = walk(p[k], v)
+                if k in p:  # else state without a kernel (FP8 attention's)
+                    out[k] = walk(p[k], v)
                 continue
             # An Fp8DotGeneral's state; the Dense that owns it holds the kernel.
             w, layers = p["kernel"], v["kernel_amax_history"].ndim - 1
