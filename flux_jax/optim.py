@@ -69,21 +69,21 @@ def scale_by_adam_stored_as(b1: float, b2: float, eps: float, dtype) -> optax.Gr
 
 
 def adamw(config: Any) -> optax.GradientTransformation:
-    """optax.adamw, or the same chain with ``config.adam_moments_dtype`` moments."""
+    """optax.adamw, or the same chain with ``config.adam_moments_dtype`` moments.
+
+    A multi-tensor form (optax.flatten: all parameters as one vector) measured 65.6 ms against 51.6 per
+    step at the block shape on an H100, +3.4 GiB (benchmarks/RESULTS.md, eleventh run): the per-parameter
+    fusions already run at memory bandwidth and flattening adds copies. Not kept.
+    """
     moments = config.get("adam_moments_dtype", "float32")
     if moments not in MOMENT_DTYPES:
         raise ValueError(f"config.adam_moments_dtype={moments!r} must be one of {MOMENT_DTYPES}.")
     schedule = lr_schedule(config)
     b1, b2, eps = config.adam_beta1, config.adam_beta2, config.adam_eps
-    if config.get("adam_multi_tensor", False):
-        # One update over all parameters flattened into one vector (moments stored flat).
-        scale = optax.flatten(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
-    elif moments == "float32":
+    if moments == "float32":
         return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=config.weight_decay, mask=decay_mask)
-    else:
-        scale = scale_by_adam_stored_as(b1, b2, eps, jnp.dtype(moments))
     return optax.chain(
-        scale,
+        scale_by_adam_stored_as(b1, b2, eps, jnp.dtype(moments)),
         optax.add_decayed_weights(config.weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule),
     )

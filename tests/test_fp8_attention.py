@@ -161,8 +161,9 @@ def test_fp8_attention_state_trains_in_a_model_step_with_cached_kernels(tiny_con
 def test_fp8_attention_config_errors_name_the_field(tiny_config):
     hopper = fp8.DeviceDescription("cuda", "NVIDIA H100 80GB HBM3", "9.0")
     config = tiny_config(fp8="e4m3", fp8_dot_product_attention=True, **{"model.attention": "cudnn"})
-    fp8.validate_fp8_attention(config, hopper)
-    assert fp8.attention_spec(config, hopper) is not None
+    # Refused on Hopper too, with the measurement that refuses it.
+    with pytest.raises(ValueError, match="not usable for training.*dq / dk / dv"):
+        fp8.attention_spec(config, hopper)
     for desc in (fp8.DeviceDescription("cpu"), fp8.DeviceDescription("rocm", "MI300X", "gfx942")):
         with pytest.raises(ValueError, match="fp8_dot_product_attention.*Hopper"):
             fp8.validate_fp8_attention(config, desc)
@@ -176,6 +177,11 @@ def test_fp8_attention_config_errors_name_the_field(tiny_config):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN FP8 attention needs an NVIDIA Hopper GPU")
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured on an H100 with jax 0.11.2: output 5.9% off BF16 attention, dq/dk/dv 74%/99%/700% "
+    "(RESULTS.md eleventh run); config.fp8_dot_product_attention is refused until this passes",
+)
 def test_gpu_cudnn_fp8_attention_against_bf16():
     q, k, v, pe, g = _qkv(0, (4, 1536, 24, 128))
     spec = fp8.Fp8Spec(jnp.float8_e4m3fn, jnp.float8_e5m2, amax_history_len=4)
