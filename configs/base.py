@@ -35,6 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.fp8_amax_history_len = 1024  # delayed scaling amax history length
     c.fp8_amax_compute_algo = "most_recent"  # "most_recent" | "max" over the history
     c.fp8_wgrad = True  # False keeps the weight-gradient GEMM in 16 bits
+    c.fp8_dot_product_attention = False  # cuDNN FP8 attention; True is refused (RESULTS.md eleventh run)
     c.fp8_format_family = "auto"  # "auto" (from the platform) | "ocp" | "fnuz"
     c.fp8_modulation = False  # FP8 also for the per-sample modulation GEMMs (M = batch size)
     c.fp8_cast_kernel = "auto"  # "auto" (jax-triton cast on NVIDIA, else xla) | "xla" | "triton"
@@ -54,6 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.adam_beta1 = 0.9  # AdamW beta1
     c.adam_beta2 = 0.999  # AdamW beta2
     c.adam_eps = 1e-8  # AdamW epsilon
+    c.adam_moments_dtype = "float32"  # AdamW moments: "float32" | "bfloat16" (half their bytes; opt-in)
     c.clip_grad = 1.0  # global-norm gradient clipping (0 disables)
 
     c.save_interval = 500  # steps between checkpoints (and one at the end)

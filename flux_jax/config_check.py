@@ -77,6 +77,8 @@ def validate(
             bad.append(f"{field}={_get(config, field)} must be in [0, 1)")
     if config.adam_eps <= 0 or config.logit_std <= 0 or config.timestep_shift <= 0:
         bad.append("adam_eps, logit_std and timestep_shift must be > 0")
+    if config.get("adam_moments_dtype", "float32") not in optim.MOMENT_DTYPES:
+        bad.append(f"adam_moments_dtype={config.adam_moments_dtype!r} must be one of {optim.MOMENT_DTYPES}")
     if config.eval_interval > 0 and config.eval_iters < 1:
         bad.append(f"eval_iters={config.eval_iters} must be >= 1 when eval_interval > 0")
     if config.data.image_size % 16:

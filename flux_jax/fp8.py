@@ -52,6 +52,8 @@ __all__ = [
     "config_problems",
     "validate_config",
     "config_problems",
+    "validate_fp8_attention",
+    "attention_spec",
     "merge_states",
     "summarize",
 ]
@@ -151,6 +153,7 @@ def validate_config(config, desc: DeviceDescription | None = None) -> None:
 def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
     """One line per bad FP8 field (the value, what is allowed, the fix); empty when config.fp8 is None."""
     fmt = _get(config, "fp8")
+    validate_fp8_attention(config, desc)
     if fmt is None:
         return []
     bad = []
@@ -202,6 +205,47 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
             "fp8_recipe='delayed', 'tensorwise' or 'rowwise'"
         )
     return bad
+
+
+def validate_fp8_attention(config, desc: DeviceDescription | None = None) -> None:
+    """``fp8_dot_product_attention`` needs FP8 on, cuDNN attention and an NVIDIA Hopper (or newer) GPU,
+    and even there is refused: measured slower than BF16 and with wrong gradients (the message says
+    by how much). ``flux_jax.fp8_attention`` stays, reachable from code, for the next attempt."""
+    if not _get(config, "fp8_dot_product_attention", False):
+        return
+    field = "config.fp8_dot_product_attention=True"
+    if _get(config, "fp8") is None:
+        raise ValueError(
+            f"{field} runs attention in FP8 inside the FP8 blocks; set config.fp8 too, or set it False."
+        )
+    model = _get(config, "model")
+    if model is not None and _get(model, "attention") != "cudnn":
+        raise ValueError(
+            f"{field} is cuDNN's FP8 attention; set config.model.attention='cudnn' (NVIDIA GPUs)."
+        )
+    desc = desc or describe_device()
+    cc = _cuda_cc(desc)
+    if desc.platform != "cuda" or cc is None or cc < (9, 0):
+        raise ValueError(
+            f"{field} needs cuDNN's FP8 flash attention, on NVIDIA Hopper or newer (compute capability "
+            f">= 9.0); this device is {desc.platform} {desc.device_kind!r} (compute capability "
+            f"{desc.compute_capability!r}). Set config.fp8_dot_product_attention=False."
+        )
+    raise ValueError(
+        f"{field}: cuDNN's FP8 attention, as jax 0.11.2 reaches it (flux_jax.fp8_attention), is not usable "
+        "for training: on an H100 at the block shape it took 1.59 ms forward + backward against BF16 "
+        "cuDNN's 1.33 ms, and its dq / dk / dv differed from BF16 attention's by 74% / 99% / 700% "
+        "(relative norm; the forward by 5.9%) (benchmarks/RESULTS.md, eleventh run). "
+        "Set config.fp8_dot_product_attention=False: attention stays BF16."
+    )
+
+
+def attention_spec(config, desc: DeviceDescription | None = None) -> Fp8Spec | None:
+    """The FP8 attention's spec when ``config.fp8_dot_product_attention`` is set, else None."""
+    if _get(config, "fp8") is None or not _get(config, "fp8_dot_product_attention", False):
+        return None
+    validate_fp8_attention(config, desc)
+    return spec_from_config(config, desc)
 
 
 def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:

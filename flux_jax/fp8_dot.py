@@ -121,7 +121,8 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
         out = {}
         for k, v in m.items():
             if "kernel_scale" not in v:
-                out[k] = walk(p[k], v)
+                if k in p:  # else state without a kernel (FP8 attention's)
+                    out[k] = walk(p[k], v)
                 continue
             # An Fp8DotGeneral's state; the Dense that owns it holds the kernel.
             w, layers = p["kernel"], v["kernel_amax_history"].ndim - 1

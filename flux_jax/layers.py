@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from flux_jax.fp8_attention import Fp8Attention
+from flux_jax.fp8_dot import Fp8Spec
 from flux_jax.math import attention
 from flux_jax.sharding import constrain
 
@@ -195,6 +197,16 @@ class Modulation(nn.Module):
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 
 
+def joint_attention(block: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array) -> jax.Array:
+    """The block's rotary joint attention: FP8 (cuDNN) when the block runs FP8 and ``attention_fp8`` is
+    set (``config.fp8_dot_product_attention``), else ``attention_impl`` in 16 bits."""
+    if block.attention_fp8 is not None and block.dot_general_cls is not None:
+        out = Fp8Attention(block.attention_fp8, name="fp8_attention")(q, k, v, pe)
+    else:
+        out = attention(q, k, v, pe, block.attention_impl)
+    return checkpoint_name(out, "attention_out")
+
+
 def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
     return (1 + scale) * x + shift
 
@@ -222,6 +234,7 @@ class DoubleStreamBlock(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     modulation_dot_general_cls: DotGeneralFactory = None
     attention_impl: str = "xla"
+    attention_fp8: Fp8Spec | None = None  # FP8 attention's spec (fp8_dot_product_attention), or None
 
     @nn.compact
     def __call__(self, img: jax.Array, txt: jax.Array, vec: jax.Array, pe: jax.Array):
@@ -244,7 +257,7 @@ class DoubleStreamBlock(nn.Module):
             shift, scale, _ = mods[s][0]
             qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale))
         q, k, v = (jnp.concatenate([qkv["txt"][i], qkv["img"][i]], axis=1) for i in range(3))
-        attn = checkpoint_name(attention(q, k, v, pe, self.attention_impl), "attention_out")
+        attn = joint_attention(self, q, k, v, pe)
         n_txt = txt.shape[1]
         attn_out = {"txt": attn[:, :n_txt], "img": attn[:, n_txt:]}
         for s, m in streams.items():
@@ -265,6 +278,7 @@ class SingleStreamBlock(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     modulation_dot_general_cls: DotGeneralFactory = None
     attention_impl: str = "xla"
+    attention_fp8: Fp8Spec | None = None  # FP8 attention's spec (fp8_dot_product_attention), or None
 
     @nn.compact
     def __call__(self, x: jax.Array, vec: jax.Array, pe: jax.Array) -> jax.Array:
@@ -276,7 +290,7 @@ class SingleStreamBlock(nn.Module):
         h = dense(3 * dim + mlp_dim, ("embed", "qkv"), "linear1", self.dtype, dg)(x_mod)
         q, k, v = split_heads(h[..., : 3 * dim], 3, self.num_heads)
         q, k = QKNorm(name="norm")(q, k, v)
-        attn = checkpoint_name(attention(q, k, v, pe, self.attention_impl), "attention_out")
+        attn = joint_attention(self, q, k, v, pe)
         mlp = gelu(h[..., 3 * dim :])
         out = dense(dim, ("mlp", "embed"), "linear2", self.dtype, dg)(jnp.concatenate([attn, mlp], -1))
         return x + gate * out

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flux_jax.errors import UserError
+from flux_jax.fp8_dot import Fp8Spec
 from flux_jax.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, dense
 from flux_jax.math import embed_nd, timestep_embedding
 
@@ -259,6 +260,7 @@ class Flux(nn.Module):
     scan_blocks: bool = False
     remat: str | None = None
     attention_impl: str = "xla"
+    attention_fp8: Fp8Spec | None = None  # FP8 attention in the FP8 blocks (fp8_dot_product_attention)
 
     def _site(self, name: str):
         return self.dot_general_policy(name) if self.dot_general_policy is not None else None
@@ -332,6 +334,7 @@ class Flux(nn.Module):
             mlp_ratio=p.mlp_ratio,
             dtype=dt,
             attention_impl=self.attention_impl,
+            attention_fp8=self.attention_fp8,
         )
         img, txt = self._run_blocks(
             "double_blocks", DoubleStreamBlock, p.depth, (img, txt), vec, pe, qkv_bias=p.qkv_bias, **common

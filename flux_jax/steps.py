@@ -20,6 +20,7 @@ def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
         scan_blocks=config.model.scan_blocks,
         remat=config.recompute_granularity,
         attention_impl=choices.attention_for(config, fp),
+        attention_fp8=fp8.attention_spec(config) if use_fp8 else None,
     )
 
 
