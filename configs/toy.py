@@ -85,6 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.cfg_dropout_prob = 0.1  # probability of an empty caption during training
     c.data.num_workers = 0  # loader worker processes (shards)
     c.data.shuffle = True  # shuffle shards
+    c.data.log_ids = False  # write the sample ids of every step to WORKDIR/data_ids/process_<i>.jsonl
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel size (-1 = all remaining devices)

@@ -259,8 +259,9 @@ def main(argv=None) -> None:
         images = (np.asarray(autoencoder.decode_nchw(ae_vars, latents, ae_params)) + 1.0) / 2.0
     else:
         images = toy.decode(latents)
-    paths = write_images(args.out, images, prompts)
-    print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
+    if jax.process_index() == 0:  # every process of a multi-process job computed the same images
+        paths = write_images(args.out, images, prompts)
+        print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from flux_jax import (
     checkpoint,
     cli,
     config_check,
+    distributed,
     flow,
     fp8,
     metrics,
@@ -51,6 +52,13 @@ def _pipeline(config, split: str, fp: model.FluxParams):
     from flux_jax import data
 
     return data.make_pipeline(config, split, jax.process_index(), jax.process_count(), **kwargs)
+
+
+def _to_global(batch: dict, mesh) -> tuple[Any, dict]:
+    """A host batch -> (its sample ids, the global batch the step takes: arrays only)."""
+    ids = batch.get("id")
+    arrays = {k: v for k, v in batch.items() if k != "id"}
+    return ids, sharding.host_local_batch_to_global(arrays, mesh)
 
 
 def _train_values(m, losses, steps_s: float, batch: int, flops: float, use_fp8: bool) -> dict[str, float]:
@@ -127,7 +135,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     state_shardings = jax.tree.map(
         lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated, state
     )
-    state = jax.device_put(state, state_shardings)
+    # jit places them on the global mesh (device_put cannot reach other processes' devices).
+    state = jax.jit(lambda s: s, out_shardings=state_shardings)(state)
     batch_sh = sharding.batch_sharding(mesh)
 
     # ---- Checkpoint ---------------------------------------------------------------------------
@@ -154,12 +163,24 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     train_step, eval_step = compile_steps(use_fp8)
     flops = metrics.train_flops_per_sample(fp, img_len, txt_len)
     writer = metrics.MetricWriter(workdir, enabled=is_main)
+    ids_log = metrics.IdsLog(workdir, jax.process_index(), enabled=bool(config.data.get("log_ids", False)))
+
+    def save(step: int, force: bool = False) -> None:
+        """Checkpoints ``step`` when due (always with force), once every process agrees on the
+        replicated state: step, fp8_meta and the data position the checkpoint stores once."""
+        if not (force or ckpt.due(step)):
+            return
+        data_state = train_iter.get_state()
+        replicated = {"step": state["step"], "fp8_meta": state["fp8_meta"]}
+        replicated["data"] = np.frombuffer(json.dumps(data_state, sort_keys=True).encode(), np.uint8)
+        distributed.check_replicas_agree(replicated, f"the train state at step {step}")
+        ckpt.save(step, state, data_state, force=force)
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
         val_iter = _pipeline(config, "val", fp)
         for i in range(config.eval_iters):
-            batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
+            _, batch = _to_global(next(val_iter), mesh)
             s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
             sums, counts = sums + s, counts + c
         val, per_t = flow.validation_loss(sums, counts)
@@ -193,13 +214,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     pending = None
     guard = preemption.install_handler()
     finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes) and writer
-    for closable in (writer, ckpt, bar):
+    for closable in (writer, ids_log, ckpt, bar):
         finish.callback(closable.close)
     with finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules), guard:
         for step in range(first, config.train_iters):
-            batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
+            ids, batch = _to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
             done = step + 1
+            ids_log.write(done, ids)
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
             due = last or evaluate or done % config.log_interval == 0 or ckpt.due(done)
@@ -218,7 +240,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 if d % config.log_interval == 0 or d == config.train_iters:
                     result["train_loss"] = log_train(d, md)
             bar.update(1)
-            ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
+            save(done, force=preempted or last)
             if preempted:
                 log.warning("Stopped by a signal after step %d; checkpoint saved in %s.", done, workdir)
                 result["preempted"] = True
@@ -228,7 +250,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 target = config.target_val_loss
                 if target is not None and result["val_loss"] <= target:
                     log.info("Reached target validation loss %.4f at step %d.", target, done)
-                    ckpt.save(done, state, train_iter.get_state(), force=True)
+                    save(done, force=True)
                     break
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
     return result | {"params": n_params}
@@ -272,19 +294,22 @@ class _Progress:
 
 
 def setup_logging(logger: logging.Logger) -> None:
-    """CLI logging: INFO lines from ``logger``; library INFO chatter (orbax) is dropped."""
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    """CLI logging: INFO lines from ``logger``; library INFO chatter (orbax) is dropped. In a job of
+    several processes only process 0 reports; the others print errors only."""
+    main = jax.process_index() == 0
+    absl_logging.set_verbosity(absl_logging.WARNING if main else absl_logging.ERROR)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if main else logging.ERROR)
     logger.propagate = False
 
 
 def main(argv) -> None:
     del argv
     # Progress goes to tqdm and this module's log.
-    setup_logging(log)
+    for logger in (log, distributed.log):
+        setup_logging(logger)
     train_and_evaluate(config_check.none_from_command_line(flags.FLAGS.config), flags.FLAGS.workdir)
 
 
