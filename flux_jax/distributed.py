@@ -18,7 +18,10 @@ FLUX_JAX_INIT_TIMEOUT (default 300) bounds the wait for all processes at start-u
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
+import json
 import logging
 import os
 import re
@@ -205,6 +208,40 @@ def disagreements(names: list[str], digests: np.ndarray) -> list[str]:
     return [name for name, column in zip(names, np.asarray(digests).T) if len(set(column.tolist())) > 1]
 
 
+# Waits in the coordination service are bounded by the heartbeat (a dead process stops the job), not
+# by these: a process may legitimately be late by a long compile or checkpoint write.
+_WAIT_MS = 7 * 24 * 3600 * 1000
+_calls: dict[str, itertools.count] = collections.defaultdict(itertools.count)
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def exchange(name: str, value: str) -> list[str]:
+    """Every process's ``value``, in process order (every process must call this in the same order).
+
+    Goes through the coordination service, not a device collective, so it never queues behind (or
+    interleaves with) computations still running on the devices.
+    """
+    if jax.process_count() == 1:
+        return [value]
+    n = next(_calls[name])
+    client = _client()
+    client.key_value_set(f"flux_jax/{name}/{n}/{jax.process_index()}", value)
+    return [
+        client.blocking_key_value_get(f"flux_jax/{name}/{n}/{p}", _WAIT_MS)
+        for p in range(jax.process_count())
+    ]
+
+
+def any_process(flag: bool, name: str) -> bool:
+    """True on every process when ``flag`` is True on any of them (a collective decision)."""
+    return any(v == "1" for v in exchange(name, "1" if flag else "0"))
+
+
 def check_replicas_agree(tree, what: str) -> None:
     """Raises when a replicated leaf of ``tree`` differs between processes (a no-op on one process).
 
@@ -213,12 +250,10 @@ def check_replicas_agree(tree, what: str) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     local = leaf_digests(tree)
     names = sorted(local)
-    gathered = multihost_utils.process_allgather(np.asarray([local[n] for n in names], np.uint32))
-    bad = disagreements(names, np.asarray(gathered).reshape(jax.process_count(), len(names)))
+    values = exchange("digests", json.dumps([local[n] for n in names]))
+    bad = disagreements(names, np.asarray([json.loads(v) for v in values], np.int64))
     if bad:
         raise RuntimeError(
             f"{what} differs between the {jax.process_count()} processes in {len(bad)} entries: "

@@ -6,9 +6,10 @@ with preemption.install_handler() as guard:
         if guard.preempted():   # agreed by every process: all hosts save the same step
             save(step, force=True); break
 
-With one process ``preempted()`` reads a flag; with several it is a collective (every host waits
-for the step in flight), so the train loop passes ``can_sync=False`` except on steps it synchronises
-anyway (log, save, eval), and a signal is honoured at the next of those.
+With one process ``preempted()`` reads a flag; with several every process publishes its flag through
+the coordination service and waits for the others' (``distributed.any_process``: no device
+collective), so the train loop passes ``can_sync=False`` except on steps it synchronises anyway (log,
+save, eval), and a signal is honoured at the next of those.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class PreemptionGuard:
             return self.requested
         if not can_sync:
             return False
-        from jax.experimental import multihost_utils
+        from flux_jax import distributed
 
-        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+        return distributed.any_process(self.requested, "preempt")
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():

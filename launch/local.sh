@@ -5,7 +5,8 @@
 # Env: FLUX_JAX_PORT (coordinator port, default 12355); FLUX_JAX_LOCAL_DEVICES (devices per process,
 # default 1: CPU devices each, or with JAX_PLATFORMS=cuda|rocm GPUs i*k..i*k+k-1 for process i);
 # JAX_PLATFORMS (default cpu); FLUX_JAX_LOG_DIR (each process's output to DIR/process_<i>.log instead
-# of this terminal); PYTHON (default python).
+# of this terminal); PYTHON (default python); JAX_COMPILATION_CACHE_DIR (each process caches in its
+# own subfolder).
 # SIGTERM / SIGINT to this script are passed on once to every process (each saves and stops, as under
 # SLURM). A process that dies makes the others stop by themselves (flux_jax.distributed heartbeats).
 # Exits 0 when every process did, else with the first non-zero status.
@@ -39,6 +40,11 @@ for ((i = 0; i < num; i++)); do
   else
     ids=$(seq -s, $((i * local_devices)) $((i * local_devices + local_devices - 1)))
     device_env=(FLUX_JAX_LOCAL_DEVICE_IDS="$ids")
+  fi
+  # A persistent compilation cache is kept per process: a multi-process executable is specific to
+  # its process, and one process loading another's deadlocks the job's first collective.
+  if [[ -n "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
+    device_env+=(JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR%/}/process_${i}_of_${num}")
   fi
   cmd=(env FLUX_JAX_COORDINATOR="localhost:${port}" FLUX_JAX_NUM_PROCESSES="${num}" FLUX_JAX_PROCESS_ID="${i}"
     JAX_PLATFORMS="${platforms}" "${device_env[@]}" "${setsid[@]}" "$python" "$@")
