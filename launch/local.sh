@@ -5,8 +5,7 @@
 # Env: FLUX_JAX_PORT (coordinator port, default 12355); FLUX_JAX_LOCAL_DEVICES (devices per process,
 # default 1: CPU devices each, or with JAX_PLATFORMS=cuda|rocm GPUs i*k..i*k+k-1 for process i);
 # JAX_PLATFORMS (default cpu); FLUX_JAX_LOG_DIR (each process's output to DIR/process_<i>.log instead
-# of this terminal); PYTHON (default python); JAX_COMPILATION_CACHE_DIR (each process caches in its
-# own subfolder).
+# of this terminal); PYTHON (default python).
 # SIGTERM / SIGINT to this script are passed on once to every process (each saves and stops, as under
 # SLURM). A process that dies makes the others stop by themselves (flux_jax.distributed heartbeats).
 # Exits 0 when every process did, else with the first non-zero status.
@@ -35,18 +34,17 @@ command -v setsid >/dev/null 2>&1 && setsid=(setsid)
 pids=()
 for ((i = 0; i < num; i++)); do
   device_env=()
+  unset_env=()
   if [[ "$platforms" == cpu ]]; then
     device_env=(XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${local_devices}")
+    # A CPU job of several processes that loads executables from a persistent compilation cache
+    # can deadlock in its first cross-process collective (seen with jax 0.10.2): compile afresh.
+    if [[ "$num" -gt 1 ]]; then unset_env=(-u JAX_COMPILATION_CACHE_DIR); fi
   else
     ids=$(seq -s, $((i * local_devices)) $((i * local_devices + local_devices - 1)))
     device_env=(FLUX_JAX_LOCAL_DEVICE_IDS="$ids")
   fi
-  # A persistent compilation cache is kept per process: a multi-process executable is specific to
-  # its process, and one process loading another's deadlocks the job's first collective.
-  if [[ -n "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
-    device_env+=(JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR%/}/process_${i}_of_${num}")
-  fi
-  cmd=(env FLUX_JAX_COORDINATOR="localhost:${port}" FLUX_JAX_NUM_PROCESSES="${num}" FLUX_JAX_PROCESS_ID="${i}"
+  cmd=(env "${unset_env[@]}" FLUX_JAX_COORDINATOR="localhost:${port}" FLUX_JAX_NUM_PROCESSES="${num}" FLUX_JAX_PROCESS_ID="${i}"
     JAX_PLATFORMS="${platforms}" "${device_env[@]}" "${setsid[@]}" "$python" "$@")
   if [[ -n "$log_dir" ]]; then
     "${cmd[@]}" >"$log_dir/process_$i.log" 2>&1 &

@@ -1,7 +1,7 @@
 """Multi-process training through the real CLI: ``launch/local.sh 2`` (2 CPU devices each) against one
 process with 4 devices, on the tiny preset: losses, data, outputs, checkpoints across process counts,
-SIGTERM and kill -9. Runs share a JAX compilation cache, so a program compiled once is not compiled
-again by the runs that repeat it."""
+SIGTERM and kill -9. One-process runs share a JAX compilation cache (local.sh drops it for CPU jobs of
+several processes, where cached executables can deadlock the first collective)."""
 
 import json
 import os
@@ -57,10 +57,13 @@ def _env(cache_dir, devices: int) -> dict:
         FLUX_JAX_PORT=str(_free_port()),
         FLUX_JAX_LOCAL_DEVICES=str(devices),
         FLUX_JAX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
-        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
+    if cache_dir is not None:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     return env
 
 
