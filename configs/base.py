@@ -83,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.cfg_dropout_prob = 0.1  # probability of an empty caption during training
     c.data.num_workers = 4  # loader worker processes (shards)
     c.data.shuffle = True  # shuffle shards
+    c.data.log_ids = False  # each process writes the sample ids it read to WORKDIR/ids/ (checks)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel size (-1 = all remaining devices)

@@ -78,12 +78,14 @@ class _TqdmHandler(logging.StreamHandler):
 
 def setup_logging(logger: logging.Logger) -> None:
     """CLI logging: INFO lines from ``logger``; library warnings (orbax, tensorboardX) with their
-    logger's name; library INFO chatter is dropped. Everything goes through tqdm.write."""
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    logger's name; library INFO chatter is dropped. Everything goes through tqdm.write. In a job of
+    several processes only process 0 reports; the others print errors only."""
+    main = jax.process_index() == 0
+    absl_logging.set_verbosity(absl_logging.WARNING if main else absl_logging.ERROR)
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if main else logging.ERROR)
     logger.propagate = False
     # Root's plain stderr handler (set up by an imported library), or Python's last-resort one,
     # would write library warnings into the progress bar.
@@ -92,6 +94,6 @@ def setup_logging(logger: logging.Logger) -> None:
         if isinstance(old, _TqdmHandler) or (type(old) is logging.StreamHandler and old.stream is sys.stderr):
             root.removeHandler(old)
     library = _TqdmHandler()
-    library.setLevel(logging.WARNING)
+    library.setLevel(logging.WARNING if main else logging.ERROR)
     library.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(library)

@@ -1,7 +1,10 @@
 """grain input pipelines: precomputed-embedding shards, mock data (real shapes), and the toy set.
 
-Every pipeline yields per-host batches (dict of numpy arrays, see the batch contract in DESIGN.md)
-and is a grain DatasetIterator, so `get_state()` / `set_state()` checkpoint its position exactly.
+Every pipeline yields per-host batches (dict of numpy arrays, see the batch contract in DESIGN.md,
+plus "id": the records' ids) and is a grain DatasetIterator, so `get_state()` / `set_state()`
+checkpoint its position exactly. Process p of P reads rows p*b..(p+1)*b of every global batch of
+b*P records, so together the processes read exactly the global batches one process would, and the
+position (global batches read) carries over between process counts.
 
 Per-record randomness (VAE resample, CFG dropout) comes from a generator seeded with
 (config.seed, split, global record index), so it is the same whatever the worker count, host
@@ -63,6 +66,7 @@ class RecordTransform:
             txt, y = self.empty_t5, self.empty_clip
         _, h, w = z.shape
         out = {
+            "id": str(rec.get("id", "")) or f"record-{index}",
             "img": latents.pack(scale_latent(z)),
             "img_ids": latents.image_ids(h, w),
             "txt": np.asarray(txt, shards.np_dtype(self.txt_dtype)),
@@ -140,7 +144,11 @@ def build_dataset(
     num_workers: int,
     txt_dtype: str = "float32",
 ) -> grain.IterDataset:
-    """grain graph: [shuffle, repeat] -> transform (global index) -> host slice -> batch -> workers."""
+    """grain graph: [shuffle, repeat] -> transform (global index) -> batch -> host slice -> workers.
+
+    Batching before the host slice gives each process one contiguous block of every global batch,
+    and makes the iterator's position count batches, the same number on every process count.
+    """
     if split not in _SPLIT_IDS:
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     if len(source) < process_count * per_host_batch and split == "val":
@@ -159,9 +167,11 @@ def build_dataset(
         seed, split, cfg_dropout_prob if split == "train" else 0.0, empty_t5, empty_clip, txt_dtype
     )
     ds = ds.map_with_index(transform)
+    ds = ds.batch(per_host_batch, drop_remainder=True)
+    if split == "val":  # every process gets the same number of batches
+        ds = ds[: len(ds) - len(ds) % process_count]
     ds = ds[process_index::process_count]
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * per_host_batch))
-    it = it.batch(per_host_batch, drop_remainder=True)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2))
     if num_workers > 0:
         from absl import flags
 

@@ -1,4 +1,4 @@
-"""Model FLOP count, device peak, and the metrics writer (metrics.jsonl + TensorBoard)."""
+"""Model FLOP count, device peak, the metrics writer (metrics.jsonl + TensorBoard) and the sample-id log."""
 
 import glob
 import json
@@ -195,3 +195,27 @@ def truncate_events(tb_dir: str, step: int) -> int:
 
         _replace(path, write)
     return dropped
+
+
+class IdsLog:
+    """With config.data.log_ids: the sample ids each train step read on this process, one JSON line
+    per step in WORKDIR/data_ids/process_<index>.jsonl (a resumed run appends the steps it repeats).
+    Shows which records every process consumed, e.g. to check that no record is read twice an epoch."""
+
+    def __init__(self, workdir: str, process_index: int, enabled: bool = False):
+        self._file = None
+        if enabled:
+            os.makedirs(os.path.join(workdir, "data_ids"), exist_ok=True)
+            self._file = open(os.path.join(workdir, "data_ids", f"process_{process_index}.jsonl"), "a")
+
+    def write(self, step: int, ids) -> None:
+        if self._file is None:
+            return
+        if ids is None:
+            raise ValueError("data.log_ids=True but this data source yields no sample ids")
+        self._file.write(json.dumps({"step": step, "ids": [str(i) for i in ids]}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

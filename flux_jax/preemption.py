@@ -6,9 +6,10 @@ with preemption.install_handler() as guard:
         if guard.preempted():   # agreed by every process: all hosts save the same step
             save(step, force=True); break
 
-With one process ``preempted()`` reads a flag; with several it is a collective (every host waits
-for the step in flight), so the train loop passes ``can_sync=False`` except on steps it synchronises
-anyway (log, save, eval), and a signal is honoured at the next of those.
+With one process ``preempted()`` reads a flag; with several every process publishes its flag through
+the coordination service and waits for the others' (``distributed.any_process``: no device
+collective), so the train loop passes ``can_sync=False`` except on steps it synchronises anyway (log,
+save, eval), and a signal is honoured at the next of those.
 
 Repeated signals (a second Ctrl-C, the terminal closing) do not interrupt the save: they are logged
 and the run still stops once the checkpoint is written. The exit status then tells how the run
@@ -26,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class PreemptionGuard:
             return self.requested
         if not can_sync:
             return False
-        from jax.experimental import multihost_utils
+        from flux_jax import distributed
 
-        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+        return distributed.any_process(self.requested, "preempt")
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():

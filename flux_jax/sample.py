@@ -265,8 +265,9 @@ def main(argv=None) -> None:
             f" (toy decoder: {size}x{size} latents shown as {images.shape[1]}x{images.shape[2]} images, "
             f"each latent pixel as an {factor}x{factor} block)"
         )
-    paths = write_images(args.out, images, prompts)
-    print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}{note}")
+    if jax.process_index() == 0:  # every process of a multi-process job computed the same images
+        paths = write_images(args.out, images, prompts)
+        print(f"step {step}: {n} samples, {num_steps} steps, shift={shift} -> {paths[-2]}{note}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each sample comes from a caption "<colour> <shape> <position>" such as "red circ
 latent (16, S, S) holds the shape's mask times a fixed per-colour 16-vector, with small per-sample
 jitter of position and size so the task is not pure memorisation. Caption embeddings are built from
 fixed per-word vectors, so the text conditioning carries exactly the information needed. Everything
-is a function of (seed, split, step, process index): the iterator state is just the step.
+is a function of (seed, split, sample index): the iterator state is just the step.
 """
 
 import itertools
@@ -92,10 +92,13 @@ def embed_caption(caption: str, txt_len: int, context_in_dim: int, vec_in_dim: i
 
 
 class ToyPipeline:
-    """Infinite iterator of packed toy batches; deterministic in (seed, split, step, process).
+    """Infinite iterator of packed toy batches, this process's rows of every global batch.
 
-    Train batches apply CFG dropout (zeroed txt and y). Validation batches carry a "timestep" index
-    0..7, spread evenly within every batch, and never drop the caption.
+    Sample ``g`` of the stream (row ``g % global batch`` of batch ``g // global batch``) is a function
+    of (seed, split, g) alone, so the global batches are the same whatever the process count, and
+    the state (batches read) carries over between process counts. Each batch's "id" holds the global
+    indices of its rows. Train batches apply CFG dropout (zeroed txt and y). Validation batches carry
+    a "timestep" index 0..7, spread evenly within every global batch, and never drop the caption.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class ToyPipeline:
         vec_in_dim: int,
         cfg_dropout_prob: float = 0.0,
         process_index: int = 0,
+        process_count: int = 1,
         txt_dtype: str = "float32",
     ):
         if split not in ("train", "val"):
@@ -119,7 +123,7 @@ class ToyPipeline:
         self.seed, self.split, self.batch_size = seed, split, batch_size
         self.latent_size = image_size // 8
         self.txt_len, self.cfg_dropout_prob = txt_len, cfg_dropout_prob
-        self.process_index = process_index
+        self.process_index, self.process_count = process_index, process_count
         self.txt_dtype = np.dtype(txt_dtype)  # the model's compute dtype, as data.RecordTransform
         self.step = 0
         self._captions = {c: embed_caption(c, txt_len, context_in_dim, vec_in_dim) for c in CAPTIONS}
@@ -134,33 +138,38 @@ class ToyPipeline:
     def __iter__(self):
         return self
 
-    def _rng(self) -> np.random.Generator:
+    def row_indices(self, step: int) -> np.ndarray:
+        """Global sample indices of this process's rows of batch ``step``: a contiguous block."""
+        b = self.batch_size
+        return step * b * self.process_count + self.process_index * b + np.arange(b)
+
+    def _sample(self, index: int) -> tuple[str, np.ndarray, bool]:
         # The validation split uses its own stream, so held-out samples never repeat train ones.
-        split_id = 0 if self.split == "train" else 1
-        return np.random.default_rng([self.seed, split_id, self.process_index, self.step])
+        rng = np.random.default_rng([self.seed, 0 if self.split == "train" else 1, index])
+        name = CAPTIONS[rng.integers(0, len(CAPTIONS))]
+        latent = draw_latent(name, self.latent_size, rng)
+        dropped = (
+            self.split == "train" and self.cfg_dropout_prob > 0 and rng.uniform() < self.cfg_dropout_prob
+        )
+        return name, latent, dropped
 
     def __next__(self) -> dict:
-        rng = self._rng()
+        rows = self.row_indices(self.step)
         self.step += 1
         b = self.batch_size
-        names = [CAPTIONS[i] for i in rng.integers(0, len(CAPTIONS), b)]
-        drawn = np.stack([draw_latent(n, self.latent_size, rng) for n in names])
-        txt = np.stack([self._captions[n][0] for n in names])
-        y = np.stack([self._captions[n][1] for n in names])
+        names, drawn, dropped = zip(*(self._sample(int(g)) for g in rows))
+        keep = 1.0 - np.asarray(dropped, np.float32)
         batch = {
-            "img": latents.pack(drawn),
+            "img": latents.pack(np.stack(drawn)),
             "img_ids": np.broadcast_to(self._img_ids, (b,) + self._img_ids.shape).copy(),
-            "txt": txt,
+            "txt": np.stack([self._captions[n][0] for n in names]) * keep[:, None, None],
             "txt_ids": np.zeros((b, self.txt_len, 3), np.float32),
-            "y": y,
+            "y": np.stack([self._captions[n][1] for n in names]) * keep[:, None],
+            "id": rows.astype(np.int64),
         }
-        if self.split == "train" and self.cfg_dropout_prob > 0:
-            keep = (rng.uniform(size=b) >= self.cfg_dropout_prob).astype(np.float32)
-            batch["txt"] = batch["txt"] * keep[:, None, None]
-            batch["y"] = batch["y"] * keep[:, None]
         batch["txt"] = batch["txt"].astype(self.txt_dtype)
         if self.split == "val":
-            batch["timestep"] = (np.arange(b) % latents.NUM_VAL_TIMESTEPS).astype(np.int32)
+            batch["timestep"] = (rows % latents.NUM_VAL_TIMESTEPS).astype(np.int32)
         return batch
 
 
@@ -186,5 +195,6 @@ def make_pipeline(
         vec_in_dim=vec_in_dim,
         cfg_dropout_prob=config.data.cfg_dropout_prob,
         process_index=process_index,
+        process_count=process_count,
         txt_dtype=config.model.dtype,
     )

@@ -25,6 +25,7 @@ from flux_jax import (
     config_check,
     config_cli,
     console,
+    distributed,
     flow,
     fp8,
     metrics,
@@ -42,6 +43,13 @@ _REMEDIES = (
     "a longer fp8_amax_history_len, fp8_amax_compute_algo='max', a larger fp8_margin, "
     "fp8_wgrad=False, first_last_layers_bf16=True, a lower lr or on_nonfinite='bf16'"
 )
+
+
+def _to_global(batch: dict, mesh) -> tuple[Any, dict]:
+    """A host batch -> (its sample ids, the global batch the step takes: arrays only)."""
+    ids = batch.get("id")
+    arrays = {k: v for k, v in batch.items() if k != "id"}
+    return ids, sharding.host_local_batch_to_global(arrays, mesh)
 
 
 def _train_values(m, losses, steps_s: float, batch: int, flops: float, use_fp8: bool) -> dict[str, float]:
@@ -128,12 +136,24 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     train_step, eval_step = compile_steps(use_fp8)
     flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])
     writer = metrics.MetricWriter(workdir, enabled=is_main, resume_step=start or 0)
+    ids_log = metrics.IdsLog(workdir, jax.process_index(), enabled=bool(config.data.get("log_ids", False)))
+
+    def save(step: int, force: bool = False) -> None:
+        """Checkpoints ``step`` when due (always with force), once every process agrees on the
+        replicated state: step, fp8_meta and the data position the checkpoint stores once."""
+        if not (force or ckpt.due(step)):
+            return
+        data_state = train_iter.get_state()
+        replicated = {"step": state["step"], "fp8_meta": state["fp8_meta"]}
+        replicated["data"] = np.frombuffer(json.dumps(data_state, sort_keys=True).encode(), np.uint8)
+        distributed.check_replicas_agree(replicated, f"the train state at step {step}")
+        ckpt.save(step, state, data_state, force=force)
 
     def run_eval(step: int) -> float:
         sums = counts = 0.0
         with _closing_pipeline(setup.make_pipeline(config, "val", fp=fp)) as val_iter:
             for i in range(config.eval_iters):
-                batch = sharding.host_local_batch_to_global(next(val_iter), mesh)
+                _, batch = _to_global(next(val_iter), mesh)
                 s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
                 sums, counts = sums + s, counts + c
         val, per_t = flow.validation_loss(sums, counts)
@@ -168,17 +188,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # waits for checkpoint writes in flight.
     pending = None
     guard = preemption.install_handler()
-    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes), writer, data
+    finish = contextlib.ExitStack()  # closes bar, checkpointer (waits for writes), writers, data
     finish.callback(_close_pipeline, train_iter)
-    for closable in (writer, ckpt, bar):
+    for closable in (writer, ids_log, ckpt, bar):
         finish.callback(closable.close)
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
     with guard, finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         for step in range(first, config.train_iters):
-            batch = sharding.host_local_batch_to_global(next(train_iter), mesh)
+            ids, batch = _to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
             done = step + 1
+            ids_log.write(done, ids)
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
             due = last or evaluate or done % config.log_interval == 0 or ckpt.due(done)
@@ -197,7 +218,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 if d % config.log_interval == 0 or d == config.train_iters:
                     result["train_loss"] = log_train(d, md)
             bar.update(1)
-            ckpt.save(done, state, train_iter.get_state(), force=preempted or last)
+            save(done, force=preempted or last)
             if preempted:
                 result["preempted"], result["signal"] = True, guard.signum
                 break
@@ -206,7 +227,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 target = config.target_val_loss
                 if target is not None and result["val_loss"] <= target:
                     log.info("Reached target validation loss %.4f at step %d.", target, done)
-                    ckpt.save(done, state, train_iter.get_state(), force=True)
+                    save(done, force=True)
                     break
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
     result |= {"params": n_params, "seconds": time.perf_counter() - t_start}

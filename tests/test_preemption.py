@@ -62,17 +62,20 @@ def test_exit_status_per_signal():
 
 
 def test_several_processes_agree_only_when_the_caller_can_sync(monkeypatch):
-    from jax.experimental import multihost_utils
+    from flux_jax import distributed
 
-    gathered = []
+    exchanged = []
 
-    def allgather(x):
-        gathered.append(int(x))
-        return [int(x), 0]  # this host's flag and another host's
+    def exchange(name, value):
+        exchanged.append((name, value))
+        return [value, "0"]  # this host's flag and another host's
 
     monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "exchange", exchange)
     guard = preemption.PreemptionGuard()
     guard.requested = True
-    assert not guard.preempted(can_sync=False) and gathered == []
-    assert guard.preempted(can_sync=True) and gathered == [1]
+    assert not guard.preempted(can_sync=False) and exchanged == []
+    assert guard.preempted(can_sync=True) and exchanged == [("preempt", "1")]
+    guard.requested = False
+    assert not guard.preempted(can_sync=True)
