@@ -151,12 +151,17 @@ def validate_config(config, desc: DeviceDescription | None = None) -> None:
 
 
 def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
-    """One line per bad FP8 field (the value, what is allowed, the fix); empty when config.fp8 is None."""
+    """One line per bad FP8 field (the value, what is allowed, the fix); with config.fp8 None only
+    fp8_dot_product_attention is checked."""
     fmt = _get(config, "fp8")
-    validate_fp8_attention(config, desc)
+    try:
+        validate_fp8_attention(config, desc)
+        attention = []
+    except ValueError as err:
+        attention = [str(err)]
     if fmt is None:
-        return []
-    bad = []
+        return attention
+    bad = attention
     if fmt not in FORMATS:
         bad.append(f"config.fp8={fmt!r} is not a format; use one of {FORMATS} or None for BF16")
     recipe = _get(config, "fp8_recipe", "delayed")

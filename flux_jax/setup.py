@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux_jax import fp8, model, optim, sharding, steps
+from flux_jax.errors import UserError
 
 
 def flux_params(config) -> model.FluxParams:
@@ -28,7 +29,7 @@ def flux_params(config) -> model.FluxParams:
     """
     m = config["model"]
     if m["preset"] not in model.PRESETS:
-        raise ValueError(f"model.preset={m['preset']!r} must be one of {sorted(model.PRESETS)}")
+        raise UserError(f"model.preset={m['preset']!r} must be one of {sorted(model.PRESETS)}")
     base = model.PRESETS[m["preset"]]
     overrides = {f.name: m.get(f.name) for f in dataclasses.fields(base) if m.get(f.name) is not None}
     if "axes_dim" in overrides:

@@ -147,7 +147,7 @@ def parse_rules(text: str) -> Rules:
         else:
             rules.append((name, None if axes is None else axes[0] if len(axes) == 1 else axes))
     if bad:
-        raise ValueError(
+        raise UserError(
             f"logical_axis_rules={text!r}: bad entries {', '.join(bad)}; e.g. "
             "--config.logical_axis_rules='embed=none,act_batch=data+fsdp'"
         )
