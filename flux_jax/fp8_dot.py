@@ -22,7 +22,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize, round_to
-from flux_jax.layers import compute_dtype_dot
+from flux_jax.math import compute_dtype_dot
 
 FP8_COLLECTION = "fp8_meta"
 # Optional, per step: each FP8 dot's kernel cast made once (``cast_kernels``), read instead of casting.

@@ -13,12 +13,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.fp8_attention import Fp8Attention
 from flux_jax.fp8_dot import Fp8Spec
-from flux_jax.math import attention
+from flux_jax.math import attention, compute_dtype_dot
 from flux_jax.sharding import constrain
 
 DotGeneralFactory = Callable[[], nn.Module] | None
@@ -39,17 +38,6 @@ def promote_all_but_kernel(inputs, kernel, bias, dtype=None):
     quantizes it straight from float32 to the same FP8 bits, without writing and reading a bf16 copy."""
     inputs, bias = nn.dtypes.promote_dtype(inputs, bias, dtype=dtype)
     return inputs, kernel, bias
-
-
-def compute_dtype_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """``lax.dot_general`` with the kernel (rhs) in the input's dtype: the 16-bit dense GEMM."""
-    return lax.dot_general(
-        lhs,
-        rhs.astype(lhs.dtype),
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
 
 
 class Dense(nn.Dense):

@@ -110,3 +110,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: dict | Non
         interpret=jax.default_backend() == "cpu",
     )
     return out[:, :length]
+
+
+def compute_dtype_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``lax.dot_general`` with the kernel (rhs) in the input's dtype: the 16-bit dense GEMM."""
+    return jax.lax.dot_general(
+        lhs,
+        rhs.astype(lhs.dtype),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
