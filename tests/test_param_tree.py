@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_jax import checkpoint, model, optim, sample, steps, train
+from flux_jax import checkpoint, model, optim, sample, steps
 
 POLICIES = [(fp8, first_last) for fp8 in (None, "e4m3") for first_last in (False, True)]
 # The BF16 block sites under first_last_layers_bf16 (1 at the start, 1 at the end).
@@ -250,7 +250,8 @@ def test_an_fp8_step_with_bf16_first_last_layers_leaves_their_state_alone(scan, 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_the_bf16_fallback_steps_on_the_state_of_every_fp8_policy(scan):
-    # on_nonfinite="bf16" compiles the BF16 step for the FP8 run's state; fp8_meta rides along.
+    # on_nonfinite="bf16" compiles the BF16 step for the FP8 run's state; fp8_meta rides along. (With
+    # the stacks once named by policy segment, this failed: ScopeCollectionNotFound double_blocks_scan_0_2.)
     for first_last in (False, True):
         _, fp, _, state = _built(scan, "e4m3", first_last)
         new, m = _bf16_step(scan)(state, _batch(fp))
@@ -319,37 +320,6 @@ def test_sampling_reads_the_checkpoint_of_every_policy(scan, saved, tmp_path):
     for g in grids[1:]:
         np.testing.assert_array_equal(g, grids[0])
     assert grids[0].std() > 0
-
-
-def test_train_loop_falls_back_to_bf16_with_scan_and_first_last(tmp_path, monkeypatch, caplog):
-    # The scanned FP8 run with BF16 first/last blocks once named its stacks by policy segment, and
-    # the fallback's BF16 step failed on them (ScopeCollectionNotFound double_blocks_scan_0_2).
-    from conftest import make_tiny_config
-
-    real = train._pipeline
-
-    def poisoned(config, split, fp):
-        it = real(config, split, fp)
-        if split != "train":
-            return it
-
-        class NaNs:
-            get_state, set_state = it.get_state, it.set_state
-
-            def __next__(self):
-                b = next(it)
-                return b | {"img": np.full_like(b["img"], np.nan)}
-
-        return NaNs()
-
-    monkeypatch.setattr(train, "_pipeline", poisoned)
-    config = make_tiny_config(
-        **_overrides(True, "e4m3", True), on_nonfinite="bf16", max_nonfinite_steps=1, train_iters=3
-    )
-    config.eval_interval = config.save_interval = 0
-    with caplog.at_level("WARNING"), pytest.raises(FloatingPointError, match=r"1 consecutive .*\(2\.\.2\)"):
-        train.train_and_evaluate(config, str(tmp_path))
-    assert "Non-finite steps 1-1 under FP8: switching to BF16" in caplog.text
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
