@@ -322,6 +322,37 @@ def test_sampling_reads_the_checkpoint_of_every_policy(scan, saved, tmp_path):
     assert grids[0].std() > 0
 
 
+def _split_stacks(tree, spans):
+    """The layout of earlier versions: each scanned stack split into {kind}_scan_{start}_{stop}."""
+    out = {k: v for k, v in tree.items() if k not in spans}
+    for name, segments in spans.items():
+        kind = name.rsplit("_scan_", 1)[0]
+        for a, b in segments:
+            out[f"{kind}_scan_{a}_{b}"] = jax.tree.map(lambda x, a=a, b=b: x[a:b], tree[name])
+    return out
+
+
+def test_a_checkpoint_in_the_segmented_layout_names_the_way_forward(tmp_path):
+    config, fp, _, state = _built(True, "e4m3", True)
+    spans = {"double_blocks_scan_0_2": ((0, 1), (1, 2)), "single_blocks_scan_0_2": ((0, 1), (1, 2))}
+    params = _split_stacks(state["params"], spans)
+    meta = _split_stacks(state["fp8_meta"], spans)
+    meta = {k: v for k, v in meta.items() if k not in ("double_blocks_scan_0_1", "single_blocks_scan_1_2")}
+    old = state | {"params": params, "opt_state": optim.make_optimizer(config).init(params), "fp8_meta": meta}
+    ck = checkpoint.Checkpointer(tmp_path, config)
+    assert ck.save(2, old, force=True)
+    fix = r"double_blocks_scan_1_2, single_blocks_scan_1_2\), a layout of earlier .* --config.init_from="
+    with pytest.raises(ValueError, match=fix):
+        ck.restore(2, _abstract(state), fresh_fp8_meta=state["fp8_meta"])
+    ck.close()
+    with pytest.raises(ValueError, match=fix):
+        checkpoint.load_init_from(str(tmp_path), fp, _abstract(state["params"]), scan_blocks=True)
+    # The fix it names: export (which reads either layout), then init_from.
+    exported = checkpoint.export(tmp_path, tmp_path / "params.safetensors", dtype="float32")
+    got = checkpoint.load_init_from(str(exported), fp, _abstract(state["params"]), scan_blocks=True)
+    _equal(got, state["params"])
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", *args]
