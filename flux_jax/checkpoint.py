@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from typing import Any
 
 import jax
@@ -73,6 +74,24 @@ def shape_mismatches(expected, found) -> list[str]:
             lines.append(f"{path}: expected {tuple(leaf.shape)}, found {tuple(have[path].shape)}")
     lines += [f"{p}: not expected, found {tuple(have[p].shape)}" for p in have if p not in want]
     return lines
+
+
+# A scanned stack split by FP8 policy segment (double_blocks_scan_1_19): the layout flux_jax wrote
+# before the param tree became independent of the policy.
+_SEGMENT = re.compile(r"^(double|single)_blocks_scan_([1-9]\d*)_\d+$")
+
+
+def segmented_layout_fix(params, workdir) -> str:
+    """The fix for params whose scanned stacks are split by policy segment; "" for any other tree."""
+    names = sorted(k for k in (params or {}) if _SEGMENT.match(str(k)))
+    if not names:
+        return ""
+    return (
+        f"\nThese params split scanned blocks by FP8 policy segment ({', '.join(names)}), a layout of "
+        "earlier flux_jax versions; every policy now shares one stack per block kind. Fix: export them "
+        f"(python -m flux_jax.checkpoint export --workdir {workdir} --output params.safetensors) and "
+        "start a new --workdir with --config.init_from=params.safetensors (optimizer state starts fresh)."
+    )
 
 
 def _config_json(config) -> dict:
@@ -186,6 +205,7 @@ class Checkpointer:
                 + "\n  ".join(bad[:50])
                 + "\nFix: use the model config the checkpoint was saved with (see its 'config' item), "
                 "or start a new --workdir (config.init_from can load its params only)."
+                + segmented_layout_fix(found.get("params"), self.directory.parent)
             )
         items = {_STATE: ocp.args.StandardRestore(target)}
         has_data = (step_dir / _DATA).exists()
@@ -247,6 +267,7 @@ def read_params(step_dir, abstract_params=None):
             raise UserError(
                 f"Params in {step_dir} do not fit this model:\n  " + "\n  ".join(bad[:50]) + "\n"
                 "Fix: set the model config to the one that checkpoint was trained with."
+                + segmented_layout_fix(found, step_dir.parent.parent)
             )
         target = abstract_params
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
