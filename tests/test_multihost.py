@@ -160,6 +160,7 @@ def quiet_log(path) -> list[str]:
 def test_data_parallel_matches_one_process_and_writes_outputs_once(cache_dir, tmp_path):
     args = (
         "--config.mesh.data=4",
+        "--config.data.log_ids=True",  # in TINY too: the ids below are what this field writes
         "--config.train_iters=3",
         "--config.eval_interval=3",
         "--config.eval_iters=1",
