@@ -108,7 +108,6 @@ def validate(
                 f"global_batch_size={config.global_batch_size} must be divisible by micro_batch_size "
                 f"({config.micro_batch_size}) x data-parallel size ({dp}) and by the {process_count} hosts"
             )
-    bad += fp8.config_problems(config)
     if bad:
         raise UserError(block("Invalid config", bad, "Set each with --config.FIELD=VALUE."))
 

@@ -224,17 +224,26 @@ def _config_spec(argv: Sequence[str]) -> str | None:
 
 
 def field_comments(config_path: str) -> dict[str, str]:
-    """``{"a.b": comment}`` from ``x.a.b = ...  # comment`` lines of the config file and the config
-    files beside it (a variant's comments may live in the base it imports)."""
-    here = os.path.dirname(os.path.abspath(config_path))
-    files = [config_path] + sorted(p for p in glob.glob(os.path.join(here, "*.py")) if p != config_path)
-    out: dict[str, str] = {}
+    """``{"a.b": comment}`` from ``x.a.b = ...  # comment`` lines: the base config's comment (what the
+    field is) followed by the variant's own (why it sets that value), as "what (variant.py: why)"."""
+    base = os.path.join(os.path.dirname(os.path.abspath(config_path)), "base.py")
     pattern = re.compile(r"^\s*\w+\.([\w.]+)\s*=.*?#\s*(.+)$")
-    for path in files:
+
+    def read(path: str) -> dict[str, str]:
+        out: dict[str, str] = {}
         with open(path) as f:
             for line in f:
                 if m := pattern.match(line):
                     out.setdefault(m.group(1), m.group(2).strip())
+        return out
+
+    own = read(config_path)
+    if not os.path.exists(base) or os.path.samefile(base, config_path):
+        return own
+    name = os.path.basename(config_path)
+    out = read(base)
+    for field, why in own.items():
+        out[field] = f"{out[field]} ({name}: {why})" if field in out else why
     return out
 
 

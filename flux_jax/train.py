@@ -82,12 +82,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     fp = setup.flux_params(config)
     # "auto" attention / FP8 cast / FP8 dtypes become this platform's values, logged and in config.json.
     resolved = choices.resolve(config, fp, desc)
-    log.info(
-        "Platform %s %s: %s",
-        desc.platform,
-        desc.device_kind,
-        ", ".join(f"{field}={value}" for field, value in resolved.items()),
-    )
     is_main = jax.process_index() == 0
     _make_workdir(workdir)
     if is_main:
@@ -120,6 +114,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         train_iter.set_state(data_state)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     log.info("%s", console.start_line(config, workdir, mesh, n_params, use_fp8, start))
+    choices_line = ", ".join(f"{field}={value}" for field, value in resolved.items())
+    log.info("Platform %s %s: %s", desc.platform, desc.device_kind, choices_line)
 
     # ---- Step functions -----------------------------------------------------------------------
     def compile_steps(fp8_on: bool):

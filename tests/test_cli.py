@@ -57,9 +57,9 @@ def _bad_inputs(tmp):
                 "Invalid config (5 problems):",
                 "lr=-1.0",
                 "data.image_size=100 must be a multiple of 16",
-                "config.fp8_recipe='fancy' is unknown",
-                "config.fp8_margin=-1 must be >= 0",
-                "config.fp8_amax_compute_algo='mean' is unknown",
+                "fp8_recipe='fancy' must be one of",
+                "fp8_margin=-1 must be >= 0",
+                "fp8_amax_compute_algo='mean' is unknown",
             ],
         ),
         "train_missing_config": (

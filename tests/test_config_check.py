@@ -86,7 +86,7 @@ def test_fp8_and_rule_problems_join_the_one_error():
     with pytest.raises(ValueError) as err:
         config_check.validate(c)
     message = str(err.value)
-    assert message.startswith("Invalid config: ")
+    assert message.startswith("Invalid config (")
     for expected in ("fp8_recipe='blockwise' is not implemented", "fp8_margin=-1", "'embd=fsdp'", "lr=0.0"):
         assert expected in message
     assert "config.fp8" not in message  # fields named as on the command line, after --config.

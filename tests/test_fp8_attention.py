@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux_jax import fp8, fp8_attention, math, optim, sharding, steps
+from flux_jax import fp8, fp8_attention, math, optim, setup, sharding, steps
 from flux_jax.fp8_cast import fp8_max
 
 F32 = jnp.float32
@@ -114,7 +114,7 @@ def test_fp8_attention_state_trains_in_a_model_step_with_cached_kernels(tiny_con
     config.micro_batch_size = 1
     config.global_batch_size = 2
     config.model.num_heads = 16  # the tiny preset's axes_dim fit head dim 16; 128 is set below
-    fp = dataclasses.replace(steps.flux_params(config), num_heads=2, axes_dim=(16, 56, 56))
+    fp = dataclasses.replace(setup.flux_params(config), num_heads=2, axes_dim=(16, 56, 56))
     net = steps.make_model(config, fp, use_fp8=True).clone(attention_fp8=fp8.spec_from_config(config))
     rng = np.random.default_rng(0)
     side = 8
