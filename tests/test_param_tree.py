@@ -370,7 +370,7 @@ def test_cli_resumes_a_scanned_first_last_fp8_run_in_bf16(tmp_path):
     assert fp8.returncode == 0, fp8.stderr[-3000:]
     bf16 = _cli("flux_jax.train", *flags, "--config.fp8=None", "--config.train_iters=3")
     assert bf16.returncode == 0, bf16.stderr[-3000:]
-    assert "Resumed from step 2" in bf16.stderr
+    assert "resuming at step 2" in bf16.stderr
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     train_lines = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train_lines] == [1, 2, 3]
