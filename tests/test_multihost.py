@@ -288,7 +288,7 @@ def test_checkpoints_preemption_and_faults_across_process_counts(cache_dir, tmp_
     finish(launcher)
     stopped, _, data_state = read_state(run)
     assert stopped == max(losses(run)) and 2 <= stopped < 6, stopped
-    assert "Stopped by a signal" in (tmp_path / "logs_a" / "process_0.log").read_text()
+    assert "Stopped by SIGTERM" in (tmp_path / "logs_a" / "process_0.log").read_text()
     assert quiet_log(tmp_path / "logs_a" / "process_1.log") == []
     for copy in ("one", "four"):
         shutil.copytree(run, tmp_path / copy)
