@@ -6,8 +6,8 @@ Run (from the repository root):
 
 Add ``:fp8`` to the config path for the FP8 (E4M3, delayed scaling) variant. Expected figures are
 recorded in the README: the training loss starts near 1.2 (step 10), is near 0.3 by step 30 and
-about 0.05 at step 300 (validation loss about 0.23); 300 steps take about 4 CPU-minutes (2.5 minutes
-on 2 idle CPU cores, 8 minutes measured on 2 shared ones), and samples then show the caption's colour
+about 0.05 at step 300 (validation loss about 0.21); 300 steps take about 2 minutes on 2 idle CPU
+cores (8 minutes measured on 2 shared ones), and samples then show the caption's colour
 as a blob near the caption's position.
 """
 
