@@ -26,13 +26,13 @@ import jax.numpy as jnp
 
 from flux_jax.fp8_cast import amax_of, fp8_max, quantize
 from flux_jax.fp8_dot import (
-    FP8_COLLECTION,
     MAX_GRAD_DTYPE,
     Fp8Spec,
     as_max_grad,
     from_max_grad,
     history_amax,
     scale_from_amax,
+    scaling_state,
     state_entries,
 )
 from flux_jax.math import apply_rope
@@ -166,12 +166,7 @@ class Fp8Attention(nn.Module):
     def __call__(self, q, k, v, pe):
         q, k = apply_rope(q, pe), apply_rope(k, pe)
         check_shape(q.shape, k.shape)
-        n_hist = max(1, self.spec.amax_history_len)
-        meta = {}
-        for name in GRAD_OPERANDS:
-            h = self.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
-            s = self.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
-            meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
+        meta = scaling_state(self, GRAD_OPERANDS, self.spec.amax_history_len)
         max_grad = all(x.dtype == MAX_GRAD_DTYPE for x in meta.values())
         if not max_grad:
             meta = jax.tree.map(lambda x: x.astype(jnp.float32), meta)

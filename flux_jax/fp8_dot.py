@@ -290,6 +290,18 @@ def _hold_state_bwd(meta, g):
 hold_state.defvjp(_hold_state_fwd, _hold_state_bwd)
 
 
+def scaling_state(module: nn.Module, operands, amax_history_len: int) -> dict:
+    """Declares (or reads) ``{operand}_amax_history`` and ``{operand}_scale`` in ``module``'s fp8_meta
+    collection for each operand and returns their values by name."""
+    n_hist = max(1, amax_history_len)
+    meta = {}
+    for name in operands:
+        h = module.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
+        s = module.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
+        meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
+    return meta
+
+
 class Fp8DotGeneral(nn.Module):
     """Drop-in for ``lax.dot_general`` in ``nn.Dense(dot_general_cls=...)`` running FP8 GEMMs.
 
@@ -334,13 +346,7 @@ class Fp8DotGeneral(nn.Module):
         """This dot's scaling state (amax history and scale per operand); none for block-scaled recipes."""
         if self.spec.recipe in ("blockwise", "mxfp8"):
             return {}
-        n_hist = max(1, self.spec.amax_history_len)
-        meta = {}
-        for name in OPERANDS:
-            h = self.variable(FP8_COLLECTION, f"{name}_amax_history", jnp.zeros, (n_hist,), jnp.float32)
-            s = self.variable(FP8_COLLECTION, f"{name}_scale", jnp.ones, (), jnp.float32)
-            meta[f"{name}_amax_history"], meta[f"{name}_scale"] = h.value, s.value
-        return meta
+        return scaling_state(self, OPERANDS, self.spec.amax_history_len)
 
 
 def _cached_kernel_of(module: nn.Module, w):

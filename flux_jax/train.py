@@ -140,9 +140,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         if not (force or ckpt.due(step)):
             return
         data_state = train_iter.get_state()
-        replicated = {"step": state["step"], "fp8_meta": state["fp8_meta"]}
-        replicated["data"] = np.frombuffer(json.dumps(data_state, sort_keys=True).encode(), np.uint8)
-        distributed.check_replicas_agree(replicated, f"the train state at step {step}")
+        agreed = {"step": state["step"], "fp8_meta": state["fp8_meta"]}
+        agreed["data"] = np.frombuffer(json.dumps(data_state, sort_keys=True).encode(), np.uint8)
+        distributed.check_replicas_agree(agreed, f"the train state at step {step}")
         ckpt.save(step, state, data_state, force=force)
 
     def run_eval(step: int) -> float:
