@@ -27,9 +27,10 @@ xavier = nn.initializers.xavier_uniform()
 zeros = nn.initializers.zeros_init()
 
 
-def activation_names(ndim: int, feature: str | None) -> tuple[str | None, ...]:
-    """Logical names of a (B, [L,] features) activation whose features carry kernel axis `feature`."""
-    return ("act_batch",) + ("act_len",) * (ndim - 2) + (None if feature is None else f"act_{feature}",)
+def activation_names(ndim: int, features: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """Logical names of a (B, [L,] *features) activation whose feature axes carry kernel axes `features`."""
+    names = tuple(None if f is None else f"act_{f}" for f in features)
+    return ("act_batch",) + ("act_len",) * (ndim - 1 - len(names)) + names
 
 
 def promote_all_but_kernel(inputs, kernel, bias, dtype=None):
@@ -40,8 +41,8 @@ def promote_all_but_kernel(inputs, kernel, bias, dtype=None):
     return inputs, kernel, bias
 
 
-class Dense(nn.Dense):
-    """nn.Dense whose input and output are pinned to the layout its kernel axes imply.
+class Dense(nn.DenseGeneral):
+    """nn.DenseGeneral whose input and output are pinned to the layout its kernel axes imply.
 
     A column-parallel layer (kernel ("embed", "mlp")) takes a tensor-replicated input and gives a
     tensor-sharded output; a row-parallel one (("mlp", "embed")) the reverse: the Megatron layout
@@ -50,35 +51,47 @@ class Dense(nn.Dense):
     tensor are all > 1 (batch over (data, fsdp), kernel features over fsdp, result features over
     tensor: it swaps the batch shards of two devices). Pinning both sides keeps every weight dot
     on layouts it partitions correctly; without a mesh the constraints are no-ops.
+
+    ``axes`` names every kernel axis: the contracted input axes (the trailing ``len(axis)`` of the
+    input), then the feature axes. A fused projection keeps its parts on an axis of its own
+    (``fused_dense``), so that the tensor axis splits each part, not the concatenation.
     """
 
-    axes: tuple[str | None, str | None] = (None, None)
+    axes: tuple[str | None, ...] = (None, None)
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        inputs = constrain(inputs, activation_names(inputs.ndim, self.axes[0]))
+        n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
+        inputs = constrain(inputs, activation_names(inputs.ndim, self.axes[:n_in]))
         y = super().__call__(inputs)
-        return constrain(y, activation_names(y.ndim, self.axes[1]))
+        return constrain(y, activation_names(y.ndim, self.axes[n_in:]))
 
 
 def dense(
-    features: int,
-    axes: tuple[str | None, str | None],
+    features: int | tuple[int, ...],
+    axes: tuple[str | None, ...],
     name: str,
     dtype: Any,
     dot_general_cls: DotGeneralFactory,
     kernel_init: Init = xavier,
     use_bias: bool = True,
-) -> nn.Dense:
-    """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias."""
+    axis: int | tuple[int, ...] = -1,
+) -> nn.Module:
+    """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias.
+
+    ``features`` and ``axis`` as nn.DenseGeneral's. The kernel is initialised as the 2-D
+    (inputs, outputs) matrix and reshaped, so a fused kernel gets the values of its flat form.
+    """
+    n_in = len(axis) if isinstance(axis, tuple) else 1
     return Dense(
         features,
+        axis=axis,
         axes=axes,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.with_logical_partitioning(kernel_init, axes),
-        bias_init=nn.with_logical_partitioning(zeros, (axes[1],)),
+        bias_init=nn.with_logical_partitioning(zeros, axes[n_in:]),
         promote_dtype=promote_all_but_kernel,
         dot_general=compute_dtype_dot,
         dot_general_cls=dot_general_cls,
@@ -86,15 +99,28 @@ def dense(
     )
 
 
+def fused_dense(
+    parts: int, width: int, axis: str, name: str, dtype: Any, dot_general_cls: DotGeneralFactory, **kw
+) -> nn.Module:
+    """Column-parallel dense whose ``parts * width`` outputs (BFL's fused q|k|v|..., one flat Linear)
+    are laid out as (parts, width) with the tensor axis on ``width``: kernel (dim, parts, width).
+
+    Megatron's head-aligned layout: each tensor shard holds its slice of every part (its heads of q,
+    k and v, its features of the MLP input, its share of each modulation chunk), so the parts split
+    locally. Flat kernel (dim, parts * width) == this kernel reshaped (row-major); convert maps it.
+    """
+    return dense((parts, width), ("embed", None, axis), name, dtype, dot_general_cls, **kw)
+
+
 def layer_norm(name: str, dtype: Any) -> nn.LayerNorm:
     """LayerNorm without affine params, eps 1e-6 (BFL's elementwise_affine=False)."""
     return nn.LayerNorm(epsilon=1e-6, use_bias=False, use_scale=False, dtype=dtype, name=name)
 
 
-def split_heads(x: jax.Array, parts: int, num_heads: int) -> list[jax.Array]:
-    """'B L (K H D) -> K x (B L H D)', BFL's fused qkv order."""
-    b, length, width = x.shape
-    x = x.reshape(b, length, parts, num_heads, width // (parts * num_heads))
+def split_heads(x: jax.Array, num_heads: int) -> list[jax.Array]:
+    """'B L K (H D) -> K x (B L H D)': a fused projection's parts (BFL's K H D order) split into heads."""
+    b, length, parts, width = x.shape
+    x = x.reshape(b, length, parts, num_heads, width // num_heads)
     return [x[:, :, i] for i in range(parts)]
 
 
@@ -151,15 +177,15 @@ class SelfAttention(nn.Module):
     dot_general_cls: DotGeneralFactory = None
 
     def setup(self):
-        self.qkv = dense(
-            3 * self.dim, ("embed", "qkv"), "qkv", self.dtype, self.dot_general_cls, use_bias=self.qkv_bias
+        self.qkv = fused_dense(
+            3, self.dim, "qkv", "qkv", self.dtype, self.dot_general_cls, use_bias=self.qkv_bias
         )
         self.norm = QKNorm()
         self.proj = dense(self.dim, ("heads", "embed"), "proj", self.dtype, self.dot_general_cls)
 
     def heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x (B, L, dim) -> normalised q, k and v, each (B, L, H, D)."""
-        q, k, v = split_heads(self.qkv(x), 3, self.num_heads)
+        q, k, v = split_heads(self.qkv(x), self.num_heads)
         q, k = self.norm(q, k, v)
         return q, k, v
 
@@ -178,10 +204,10 @@ class Modulation(nn.Module):
     @nn.compact
     def __call__(self, vec: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
         n = 6 if self.double else 3
-        out = dense(n * self.dim, ("embed", "mod"), "lin", self.dtype, self.dot_general_cls, zeros)(
+        out = fused_dense(n, self.dim, "mod", "lin", self.dtype, self.dot_general_cls, kernel_init=zeros)(
             nn.silu(vec)
         )
-        chunks = jnp.split(out[:, None, :], n, axis=-1)
+        chunks = [out[:, None, i] for i in range(n)]
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 
 
@@ -275,12 +301,17 @@ class SingleStreamBlock(nn.Module):
         mod = Modulation(dim, False, self.dtype, self.modulation_dot_general_cls, name="modulation")
         ((shift, scale, gate),) = mod(vec)
         x_mod = modulate(layer_norm("pre_norm", self.dtype)(x), shift, scale)
-        h = dense(3 * dim + mlp_dim, ("embed", "qkv"), "linear1", self.dtype, dg)(x_mod)
-        q, k, v = split_heads(h[..., : 3 * dim], 3, self.num_heads)
+        # linear1's 3 * dim + mlp_dim outputs as 3 + mlp_dim / dim parts of dim (q, k, v, the MLP input);
+        # linear2's inputs likewise (the attention output, the MLP activation), each tensor-split alike.
+        mlp_parts = mlp_dim // dim
+        h = fused_dense(3 + mlp_parts, dim, "qkv", "linear1", self.dtype, dg)(x_mod)
+        q, k, v = split_heads(h[:, :, :3], self.num_heads)
         q, k = QKNorm(name="norm")(q, k, v)
         attn = joint_attention(self, q, k, v, pe)
-        mlp = gelu(h[..., 3 * dim :])
-        out = dense(dim, ("mlp", "embed"), "linear2", self.dtype, dg)(jnp.concatenate([attn, mlp], -1))
+        mlp = gelu(h[:, :, 3:])
+        b, length = attn.shape[:2]
+        joined = jnp.concatenate([attn.reshape(b, length, 1, dim), mlp], axis=2)
+        out = dense(dim, (None, "mlp", "embed"), "linear2", self.dtype, dg, axis=(-2, -1))(joined)
         return x + gate * out
 
 

@@ -56,6 +56,13 @@ class FluxParams:
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
                 "change model.hidden_size or model.num_heads."
             )
+        mlp_dim = int(self.hidden_size * self.mlp_ratio)
+        if mlp_dim % self.hidden_size:
+            raise UserError(
+                f"mlp_ratio {self.mlp_ratio} gives an MLP width {mlp_dim} that is not a multiple of "
+                f"hidden_size {self.hidden_size}; the single blocks' fused linear1/linear2 hold the MLP as "
+                "whole parts of hidden_size (layers.fused_dense): use a whole-number mlp_ratio."
+            )
         head_dim = self.hidden_size // self.num_heads
         if sum(self.axes_dim) != head_dim:
             raise UserError(
