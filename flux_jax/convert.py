@@ -1,7 +1,9 @@
 """BFL / diffusers FLUX.1 state dicts <-> flux_jax params.
 
 The flux_jax tree is the BFL state dict with "." -> "/", list indices joined with "_" and
-Linear `weight [out, in]` stored as `kernel [in, out]`. diffusers checkpoints are first renamed
+Linear `weight [out, in]` stored as `kernel [in, out]`, reshaped where the layer keeps a fused
+projection's parts on an axis of their own (qkv `[dim, 3, dim]`, linear2 `[1 + mlp_ratio, dim, dim]`,
+biases alike: a row-major reshape, so the values are BFL's exactly). diffusers checkpoints are first renamed
 to BFL keys (q/k/v fused, the final adaLN's (scale, shift) swapped to BFL's (shift, scale)).
 
 CLI:
@@ -24,6 +26,7 @@ import numpy as np
 
 from flux_jax import cli, setup
 from flux_jax.errors import UserError
+from flux_jax.fp8_dot import input_axes
 from flux_jax.model import PRESETS, Flux, FluxParams
 
 _PREFIX = "model.diffusion_model."
@@ -111,16 +114,46 @@ def _flax_name(part: str) -> str:
     return f"{m.group(1)}.{m.group(2)}" if m else part
 
 
-def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
-    """BFL key -> torch shape for an unscanned Flux(params), from an abstract init."""
+def _flax_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
+    """BFL key -> flux_jax shape (kernels under their BFL "weight" key) for an unscanned Flux(params)."""
     shapes = nn.unbox(setup.abstract_variables(Flux(params, dtype=jnp.float32)))["params"]
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         names = [_flax_name(k.key) for k in path]
-        leaf_name, shape = names[-1], tuple(leaf.shape)
-        if leaf_name == "kernel":
-            leaf_name, shape = "weight", shape[::-1]
-        out[".".join(names[:-1] + [leaf_name])] = shape
+        leaf_name = "weight" if names[-1] == "kernel" else names[-1]
+        out[".".join(names[:-1] + [leaf_name])] = tuple(leaf.shape)
+    return out
+
+
+def _torch_shape(key: str, flax_shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The BFL (torch) shape of one flux_jax leaf: Linear weights (out, in), everything else flat."""
+    shape = flax_shapes[key]
+    if not key.endswith(".weight") or len(shape) < 2:
+        return (int(np.prod(shape)),) if len(shape) else ()
+    bias = flax_shapes.get(key.removesuffix("weight") + "bias")
+    n_in = input_axes({"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} | _abstract("bias", bias))
+    return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+
+
+def _abstract(name: str, shape: tuple[int, ...] | None) -> dict[str, jax.ShapeDtypeStruct]:
+    return {} if shape is None else {name: jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+
+def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
+    """BFL key -> torch shape for an unscanned Flux(params), from an abstract init."""
+    flax_shapes = _flax_shapes(params)
+    return {key: _torch_shape(key, flax_shapes) for key in flax_shapes}
+
+
+def _flat_dense(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A Dense's params with the kernel as the (in, out) matrix and the bias flat (BFL's Linear, transposed)."""
+    out = dict(tree)
+    if "kernel" in tree and np.ndim(tree["kernel"]) >= 2:
+        kernel = np.asarray(tree["kernel"])
+        n_in = input_axes(tree)
+        out["kernel"] = kernel.reshape(int(np.prod(kernel.shape[:n_in])), -1)
+        if "bias" in tree:
+            out["bias"] = np.asarray(tree["bias"]).reshape(-1)
     return out
 
 
@@ -142,7 +175,8 @@ def load_torch_state_dict(
     missing: list[str] = []
     if is_diffusers:
         sd, missing = _diffusers_to_bfl(sd)
-    expected = _expected_bfl_shapes(params)
+    flax_shapes = _flax_shapes(params)
+    expected = {key: _torch_shape(key, flax_shapes) for key in flax_shapes}
     missing += sorted(k for k in expected if k not in sd)
     unexpected = sorted(k for k in sd if k not in expected)
     wrong = sorted(
@@ -168,6 +202,7 @@ def load_torch_state_dict(
                 names.append(part)
         if names[-1] == "weight":
             names[-1], value = "kernel", value.T
+        value = value.reshape(flax_shapes[key])  # a fused projection's parts on their own axis
         _set(tree, names, np.ascontiguousarray(value, dtype=np.float32))
     if scan_blocks:
         tree = _stack_blocks(tree, params)
@@ -192,6 +227,7 @@ def export_bfl_state_dict(variables: Mapping[str, Any], params: FluxParams) -> d
             stacked = tree.pop(name)
             for j, i in enumerate(range(int(m.group(2)), int(m.group(3)))):
                 tree[f"{m.group(1)}_{i}"] = jax.tree_util.tree_map(lambda x, j=j: x[j], stacked)
+    tree = _map_dense(tree)
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         names = [_flax_name(k.key) for k in path]
@@ -206,6 +242,14 @@ def export_bfl_state_dict(variables: Mapping[str, Any], params: FluxParams) -> d
             f"unexpected {sorted(set(out) - set(expected))}; export with the preset the model was built from."
         )
     return out
+
+
+def _map_dense(tree: Any) -> Any:
+    """Every Dense's params in ``tree`` as ``_flat_dense`` gives them."""
+    if not isinstance(tree, Mapping):
+        return tree
+    tree = {k: _map_dense(v) for k, v in tree.items()}
+    return _flat_dense(tree) if "kernel" in tree else tree
 
 
 def _read_safetensors(path: Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ be, bit for bit, without that copy being written and read.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +57,18 @@ def round_to(x, dtype):
     return out
 
 
-def cast_xla(x, dtype, scale, transpose: bool, via=None):
+def lead_to_end(x, n: int):
+    """``x`` with its leading ``n`` axes moved to the end: ``x.T`` of a matrix, (K, P, D) -> (P, D, K)
+    for n = 1, (P, D, N) -> (N, P, D) for n = 2."""
+    n = int(n)
+    return jnp.transpose(x, (*range(n, x.ndim), *range(n)))
+
+
+def cast_xla(x, dtype, scale, transpose: int, via=None):
     if via is not None:
         x = round_to(x, via)
     q = quantize(x, dtype, scale)
-    return q, (q.T if transpose else None), amax_of(x)
+    return q, (lead_to_end(q, transpose) if transpose else None), amax_of(x)
 
 
 def triton_available(platform: str | None = None) -> str | None:
@@ -154,12 +162,23 @@ def cast_triton(
     return q, (q_t if transpose else None), jnp.max(tile_amax)
 
 
-def cast(x, dtype, scale, transpose: bool, kernel: str = "xla", via=None):
-    """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``; x first rounded to ``via``."""
+def cast(x, dtype, scale, transpose: int, kernel: str = "xla", via=None):
+    """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``; x first rounded to ``via``.
+
+    ``transpose``: False, or the number of leading axes the transposed copy moves to the end
+    (``lead_to_end``; True = 1, ``q.T`` of a matrix). An n-D ``x`` is cast as its 2-D view.
+    """
     if via is not None and jnp.dtype(via) == x.dtype:
         via = None
-    if kernel == "triton" and x.ndim == 2 and np.prod(x.shape) > 0:
-        return partitioned(cast_triton)(x, dtype, scale, transpose, via)
+    if kernel == "triton" and x.ndim >= 2 and np.prod(x.shape) > 0:
+        if x.ndim == 2:
+            return partitioned(cast_triton)(x, dtype, scale, transpose, via)
+        lead = int(transpose) or 1
+        q, q_t, amax = partitioned(cast_triton)(
+            x.reshape(math.prod(x.shape[:lead]), -1), dtype, scale, bool(transpose), via
+        )
+        q_t = None if q_t is None else q_t.reshape(*x.shape[lead:], *x.shape[:lead])
+        return q.reshape(x.shape), q_t, amax
     return cast_xla(x, dtype, scale, transpose, via)
 
 

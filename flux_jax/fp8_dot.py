@@ -18,10 +18,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 from jax import lax
 
-from flux_jax.fp8_cast import amax_of, cast, fp8_max, quantize, round_to
+from flux_jax.fp8_cast import amax_of, cast, fp8_max, lead_to_end, quantize, round_to
 from flux_jax.math import compute_dtype_dot
 
 FP8_COLLECTION = "fp8_meta"
@@ -68,8 +69,10 @@ def push_history(history, amax):
     return jnp.roll(history, -1).at[0].set(amax)
 
 
-def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, via=None):
-    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries)."""
+def cast_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: int, via=None):
+    """Quantize ``x`` by its per-tensor recipe: (q, q.T or None, scale used, new meta entries).
+
+    ``transpose``: False, or how many leading axes ``q.T`` moves to the end (``fp8_cast.cast``)."""
     q, q_t, use, amax = quantize_with_state(x, meta, name, dtype, spec, transpose, via)
     return q, q_t, use, state_entries(meta, name, amax, use)
 
@@ -79,7 +82,7 @@ def state_entries(meta, name, amax, use):
     return {f"{name}_amax_history": push_history(meta[f"{name}_amax_history"], amax), f"{name}_scale": use}
 
 
-def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, via=None):
+def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: int, via=None):
     """(q, q.T or None, scale used, amax of x) by the per-tensor recipe; ``x`` rounded to ``via`` first.
 
     Delayed scaling quantizes with the scale from the history *before* the current amax goes in,
@@ -97,9 +100,11 @@ def quantize_with_state(x, meta, name, dtype, spec: Fp8Spec, transpose: bool, vi
     return q, q_t, use, amax
 
 
-def cast_kernel(w, meta, spec: Fp8Spec, via=None) -> dict:
-    """One FP8 dot's kernel cast, made once per step: the ``fp8_weights`` entries of that dot."""
-    q, q_t, use, amax = quantize_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True, via)
+def cast_kernel(w, meta, spec: Fp8Spec, via=None, n_in: int = 1) -> dict:
+    """One FP8 dot's kernel cast, made once per step: the ``fp8_weights`` entries of that dot.
+
+    ``n_in``: the kernel's contracted (input) axes, leading; ``kernel_q_t`` has them last."""
+    q, q_t, use, amax = quantize_with_state(w, meta, "kernel", spec.fwd_dtype, spec, n_in, via)
     return {"kernel_q": q, "kernel_q_t": q_t, "kernel_scale": use, "kernel_amax": amax}
 
 
@@ -114,8 +119,8 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
     if spec.recipe not in ("delayed", "tensorwise"):
         return {}
 
-    def one(w, meta):
-        return cast_kernel(w.reshape(w.shape[0], -1), meta, spec, via=dtype)
+    def one(w, meta, n_in):
+        return cast_kernel(w, meta, spec, via=dtype, n_in=n_in)
 
     def walk(p, m):
         out = {}
@@ -125,11 +130,11 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
                     out[k] = walk(p[k], v)
                 continue
             # An Fp8DotGeneral's state; the Dense that owns it holds the kernel.
-            w, layers = p["kernel"], v["kernel_amax_history"].ndim - 1
+            w, layers, n_in = p["kernel"], v["kernel_amax_history"].ndim - 1, input_axes(p)
             if layers == 0:
-                out[k] = one(w, v)
+                out[k] = one(w, v, n_in)
             elif layers == 1:
-                out[k] = lax.map(lambda a: one(*a), (w, v))
+                out[k] = lax.map(lambda a: one(*a, n_in), (w, v))
             else:
                 raise ValueError(f"fp8_meta entry {k!r} has {layers} stacked axes; at most one is supported.")
         return out
@@ -137,25 +142,38 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
     return walk(params, fp8_meta)
 
 
-def _fp8_dot_nt(a, b_t, sa, sb, out_dtype):
-    """(M,K) fp8 @ (N,K)^T fp8, both contracted on their minor axis (the FP8 GEMM layout), with
-    the scalar scales folded onto the output."""
-    out = lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+def input_axes(dense_params) -> int:
+    """How many leading axes of a Dense's ``kernel`` it contracts: those its ``bias`` (shaped like the
+    output features) does not have; 1 without a bias. A fused projection (kernel (dim, parts, width))
+    contracts 1, linear2 (kernel (parts, dim, width), bias (width,)) 2. Leaves may be shapes."""
+    kernel, bias = dense_params["kernel"], dense_params.get("bias")
+    return 1 if bias is None else len(np.shape(kernel)) - len(np.shape(bias))
+
+
+def _fp8_dot_nt(a, b_t, sa, sb, out_dtype, n: int = 1):
+    """(M,*K) fp8 @ (*N,*K)^T fp8, both contracted on their ``n`` minor axes (the FP8 GEMM layout:
+    (M,K) @ (N,K)^T for matrices), with the scalar scales folded onto the output."""
+    ca, cb = tuple(range(a.ndim - n, a.ndim)), tuple(range(b_t.ndim - n, b_t.ndim))
+    out = lax.dot_general(a, b_t, ((ca, cb), ((), ())), preferred_element_type=out_dtype)
     return out * (sa * sb).astype(out_dtype)
 
 
 def rowwise_quantize(x, dtype, axis):
-    """Quantize with one scale per slice along ``axis`` (the contracted axis), keepdims."""
+    """Quantize with one scale per slice along ``axis`` (the contracted axes), keepdims."""
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
     scale = jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
     return quantize(x, dtype, scale), scale
 
 
-def rowwise_matmul(a, b, dtype_a, dtype_b, out_dtype):
-    """(M,K) @ (K,N): per-row scales of a, per-column scales of b, applied to the GEMM output."""
-    qa, sa = rowwise_quantize(a, dtype_a, 1)
-    qb, sb = rowwise_quantize(b, dtype_b, 0)
-    out = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def rowwise_matmul(a, b, dtype_a, dtype_b, out_dtype, n: int = 1):
+    """(M,*K) @ (*K,*N) over the ``n`` axes of K: per-row scales of a, per-column scales of b, applied
+    to the GEMM output."""
+    ka, kb = tuple(range(a.ndim - n, a.ndim)), tuple(range(n))
+    qa, sa = rowwise_quantize(a, dtype_a, ka)
+    qb, sb = rowwise_quantize(b, dtype_b, kb)
+    out = lax.dot_general(qa, qb, ((ka, kb), ((), ())), preferred_element_type=jnp.float32)
+    sa = sa.reshape(sa.shape[: a.ndim - n] + (1,) * (b.ndim - n))
+    sb = sb.reshape((1,) * (a.ndim - n) + sb.shape[n:])
     return (out * sa * sb).astype(out_dtype)
 
 
@@ -165,7 +183,9 @@ def _plain_dot(a, b, out_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def fp8_matmul(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad: bool = False, w_dtype=None):
-    """y = x @ w for 2-D x (M,K), w (K,N) in FP8; ``meta`` is the dict of six state arrays.
+    """y = x @ w in FP8 for x (M,*K), w (*K,*N), contracted over K; ``meta`` is the dict of six state
+    arrays. A matrix w is the plain GEMM; a fused kernel keeps its axes, so a tensor-parallel mesh
+    splits its parts locally, and each device runs the (M,K) @ (K,N) GEMM on its slice.
 
     ``w`` may be the float32 master kernel of a 16-bit ``x``: it is quantized as its copy in x's
     dtype would be (the same bits), straight from float32, and its gradient, the GEMM's output in
@@ -184,7 +204,7 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
     if spec.recipe == "rowwise":
         # The 16-bit copy's values, also under XLA's excess precision (see round_to).
         w = round_to(w, x.dtype).astype(x.dtype)
-        y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype)
+        y = rowwise_matmul(x, w, spec.fwd_dtype, spec.fwd_dtype, out_dtype, x.ndim - 1)
         new = dict(meta)
         for name, v in (("input", x), ("kernel", w)):
             amax = amax_of(v)
@@ -193,15 +213,16 @@ def _fp8_matmul_fwd(x, w, meta, cached, spec: Fp8Spec, out_dtype, max_grad=False
         return y, (x, w, new, cached)
     new = dict(meta)
     # x.T feeds the FP8 weight-gradient GEMM; w.T (N,K) the forward, w (K,N) the data gradient.
+    n_in = x.ndim - 1
     qx, qx_t, sx, upd_x = cast_with_state(x, meta, "input", spec.fwd_dtype, spec, spec.wgrad)
     if cached is None:
-        qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, True, x.dtype)
+        qw, qw_t, sw, upd_w = cast_with_state(w, meta, "kernel", spec.fwd_dtype, spec, n_in, x.dtype)
     else:
         qw, qw_t, sw = cached["kernel_q"], cached["kernel_q_t"], cached["kernel_scale"]
         upd_w = state_entries(meta, "kernel", cached["kernel_amax"], sw)
     new.update(upd_x)
     new.update(upd_w)
-    y = _fp8_dot_nt(qx, qw_t, sx, sw, out_dtype)
+    y = _fp8_dot_nt(qx, qw_t, sx, sw, out_dtype, n_in)
     # Without an FP8 wgrad the weight-gradient GEMM needs the 16-bit activation.
     saved_x = (qx_t, sx) if spec.wgrad else (x, None)
     return y, (saved_x, (qw, sw), new, cached)
@@ -219,12 +240,12 @@ def _fp8_matmul_bwd(spec: Fp8Spec, out_dtype, max_grad, w_dtype, res, g):
 def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
     if spec.recipe == "rowwise":
         x, w, new = res
-        gd = spec.bwd_dtype
-        dx = rowwise_matmul(g, w.T, gd, spec.fwd_dtype, x.dtype)
+        gd, n_out = spec.bwd_dtype, g.ndim - 1
+        dx = rowwise_matmul(g, lead_to_end(w, x.ndim - 1), gd, spec.fwd_dtype, x.dtype, n_out)
         if spec.wgrad:
-            dw = rowwise_matmul(x.T, g, spec.fwd_dtype, gd, w.dtype)
+            dw = rowwise_matmul(lead_to_end(x, 1), g, spec.fwd_dtype, gd, w.dtype)
         else:
-            dw = _plain_dot(x.T, g.astype(x.dtype), w.dtype)
+            dw = _plain_dot(lead_to_end(x, 1), g.astype(x.dtype), w.dtype)
         amax = amax_of(g)
         new = dict(new)
         new["output_grad_amax_history"] = push_history(new["output_grad_amax_history"], amax)
@@ -234,11 +255,11 @@ def _fp8_matmul_grads(spec: Fp8Spec, out_dtype, res, g):
     new = dict(new)
     qg, qg_t, sg, upd = cast_with_state(g, new, "output_grad", spec.bwd_dtype, spec, spec.wgrad)
     new.update(upd)
-    dx = _fp8_dot_nt(qg, qw, sg, sw, out_dtype)
+    dx = _fp8_dot_nt(qg, qw, sg, sw, out_dtype, g.ndim - 1)
     if spec.wgrad:
         dw = _fp8_dot_nt(saved_x, qg_t, sx, sg, out_dtype)  # (K,M) x (N,M) -> (K,N)
     else:
-        dw = _plain_dot(saved_x.T, g.astype(saved_x.dtype), out_dtype)
+        dw = _plain_dot(lead_to_end(saved_x, 1), g.astype(saved_x.dtype), out_dtype)
     return dx, dw, new
 
 
@@ -323,23 +344,29 @@ class Fp8DotGeneral(nn.Module):
         del precision  # FP8 GEMMs have one precision.
         # rhs may be the float32 master kernel of a 16-bit lhs: the product is in lhs's dtype.
         out_dtype = preferred_element_type or lhs.dtype
-        if spec.recipe in ("blockwise", "mxfp8"):
-            # Block scales are computed per call; there is no state to carry.
-            return block_scaled_dot(lhs, rhs.astype(lhs.dtype), dimension_numbers, out_dtype)
-        meta = self._scaling_state()
-        max_grad = all(v.dtype == MAX_GRAD_DTYPE for v in meta.values())
-        if not max_grad:
-            meta = jax.tree.map(lambda v: v.astype(jnp.float32), meta)
         n = dense_layout(lhs.ndim, rhs.ndim, dimension_numbers)
         if n is None:
             raise ValueError(
                 f"Fp8DotGeneral supports dense layouts only (lhs trailing axes @ rhs leading axes, no "
                 f"batch dims); got dimension_numbers={dimension_numbers}. Keep this site in BF16."
             )
-        batch_shape, out_shape = lhs.shape[: lhs.ndim - n], rhs.shape[n:]
-        x = lhs.reshape(-1, math.prod(lhs.shape[lhs.ndim - n :]))
-        w = rhs.reshape(x.shape[1], -1)
-        y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w), spec, out_dtype, max_grad, w.dtype)
+        batch_shape, in_shape, out_shape = lhs.shape[: lhs.ndim - n], rhs.shape[:n], rhs.shape[n:]
+        if spec.recipe in ("blockwise", "mxfp8"):
+            # Block scales are computed per call; there is no state to carry. Matrices, as before.
+            y = block_scaled_dot(
+                lhs.reshape(*batch_shape, math.prod(in_shape)),
+                rhs.astype(lhs.dtype).reshape(math.prod(in_shape), -1),
+                (((len(batch_shape),), (0,)), ((), ())),
+                out_dtype,
+            )
+            return y.reshape(*batch_shape, *out_shape)
+        meta = self._scaling_state()
+        max_grad = all(v.dtype == MAX_GRAD_DTYPE for v in meta.values())
+        if not max_grad:
+            meta = jax.tree.map(lambda v: v.astype(jnp.float32), meta)
+        x = lhs.reshape(-1, *in_shape)
+        w = rhs
+        y = fp8_matmul(x, w, meta, _cached_kernel_of(self, w, n), spec, out_dtype, max_grad, w.dtype)
         return y.reshape(*batch_shape, *out_shape)
 
     def _scaling_state(self) -> dict:
@@ -349,14 +376,16 @@ class Fp8DotGeneral(nn.Module):
         return scaling_state(self, OPERANDS, self.spec.amax_history_len)
 
 
-def _cached_kernel_of(module: nn.Module, w):
+def _cached_kernel_of(module: nn.Module, w, n_in: int):
     if not module.has_variable(FP8_WEIGHTS, "kernel_q"):
         return None
     cached = {k: module.get_variable(FP8_WEIGHTS, k) for k in WEIGHT_ENTRIES}
-    if cached["kernel_q"].shape != w.shape:
+    want_t = w.shape[n_in:] + w.shape[:n_in]
+    if cached["kernel_q"].shape != w.shape or cached["kernel_q_t"].shape != want_t:
         raise ValueError(
-            f"{FP8_WEIGHTS} entry of {'/'.join(module.scope.path)} has shape {cached['kernel_q'].shape}, "
-            f"the kernel {w.shape}; rebuild it with fp8.cast_kernels from the current params."
+            f"{FP8_WEIGHTS} entry of {'/'.join(module.scope.path)} has shapes {cached['kernel_q'].shape} "
+            f"and {cached['kernel_q_t'].shape}, the kernel {w.shape} contracted over its first {n_in} "
+            "axes; rebuild it with fp8.cast_kernels from the current params."
         )
     return cached
 

@@ -117,7 +117,7 @@ def test_scanned_conversion_matches_unscanned():
     x = _inputs(h=2, w=5)
     plain = _jax_forward(params, convert.load_torch_state_dict(sd, params), x, True)
     scanned_vars = convert.load_torch_state_dict(sd, params, scan_blocks=True)
-    assert scanned_vars["params"]["double_blocks_scan_0_2"]["img_attn"]["qkv"]["kernel"].shape == (2, 32, 96)
+    assert scanned_vars["params"]["double_blocks_scan_0_2"]["img_attn"]["qkv"]["kernel"].shape == (2, 32, 3, 32)
     scanned = _jax_forward(params, scanned_vars, x, True, scan_blocks=True)
     np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-6)
     assert _rel(scanned, _torch_forward(model, x, True)) < 1e-5
@@ -159,7 +159,7 @@ def test_cli_import_and_export(tmp_path):
         ["--input", str(tmp_path), "--preset", "tiny", "--output", str(tmp_path / "out/p.safetensors")]
     )
     flat = load_file(tmp_path / "out/p.safetensors")
-    assert flat["double_blocks_0/img_attn/qkv/kernel"].shape == (32, 96)
+    assert flat["double_blocks_0/img_attn/qkv/kernel"].shape == (32, 3, 32)
     convert.main(
         [
             "--input",
