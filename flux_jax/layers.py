@@ -7,6 +7,7 @@ and makes its own low-precision copy of it. Blocks never branch on FP8; they onl
 whose M is the batch size) through.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,15 +35,17 @@ def activation_names(ndim: int, features: tuple[str | None, ...]) -> tuple[str |
 
 
 def promote_all_but_kernel(inputs, kernel, bias, dtype=None):
-    """Dense's dtype promotion with the kernel left in its param dtype (float32): the dot_general
+    """nn.Dense's dtype promotion with the kernel left in its param dtype (float32): the dot_general
     casts it. ``compute_dtype_dot`` rounds it to the input's dtype, as nn.Dense would; the FP8 dot
     quantizes it straight from float32 to the same FP8 bits, without writing and reading a bf16 copy."""
     inputs, bias = nn.dtypes.promote_dtype(inputs, bias, dtype=dtype)
     return inputs, kernel, bias
 
 
-class Dense(nn.DenseGeneral):
-    """nn.DenseGeneral whose input and output are pinned to the layout its kernel axes imply.
+class Dense(nn.Module):
+    """nn.Dense over the trailing ``len(axes) - len(features)`` input axes, with float32 params whose
+    kernel axes carry the logical names ``axes`` (contracted input axes, then the feature axes), its
+    input and output pinned to the layout those names imply.
 
     A column-parallel layer (kernel ("embed", "mlp")) takes a tensor-replicated input and gives a
     tensor-sharded output; a row-parallel one (("mlp", "embed")) the reverse: the Megatron layout
@@ -52,19 +55,45 @@ class Dense(nn.DenseGeneral):
     tensor: it swaps the batch shards of two devices). Pinning both sides keeps every weight dot
     on layouts it partitions correctly; without a mesh the constraints are no-ops.
 
-    ``axes`` names every kernel axis: the contracted input axes (the trailing ``len(axis)`` of the
-    input), then the feature axes. A fused projection keeps its parts on an axis of its own
-    (``fused_dense``), so that the tensor axis splits each part, not the concatenation.
+    The kernel is drawn as the (inputs, outputs) matrix and reshaped, so a fused kernel (``fused_dense``)
+    holds the values of its flat form; a matrix kernel is nn.Dense's, value for value.
     """
 
-    axes: tuple[str | None, ...] = (None, None)
+    features: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    dtype: Any
+    dot_general_cls: DotGeneralFactory = None
+    kernel_init: Init = xavier
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
+        n_in = len(self.axes) - len(self.features)
+        in_shape = inputs.shape[inputs.ndim - n_in :]
         inputs = constrain(inputs, activation_names(inputs.ndim, self.axes[:n_in]))
-        y = super().__call__(inputs)
+        kernel_init = nn.with_logical_partitioning(_drawn_flat(self.kernel_init, n_in), self.axes)
+        kernel = self.param("kernel", kernel_init, in_shape + self.features, jnp.float32)
+        bias = None
+        if self.use_bias:
+            bias_init = nn.with_logical_partitioning(zeros, self.axes[n_in:])
+            bias = self.param("bias", bias_init, self.features, jnp.float32)
+        inputs, kernel, bias = promote_all_but_kernel(inputs, kernel, bias, dtype=self.dtype)
+        dot_general = self.dot_general_cls() if self.dot_general_cls is not None else compute_dtype_dot
+        contract = (tuple(range(inputs.ndim - n_in, inputs.ndim)), tuple(range(n_in)))
+        y = dot_general(inputs, kernel, (contract, ((), ())), precision=None)
+        if bias is not None:
+            y += jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
         return constrain(y, activation_names(y.ndim, self.axes[n_in:]))
+
+
+def _drawn_flat(init: Init, n_in: int) -> Init:
+    """``init`` drawn at the (inputs, outputs) matrix shape, then reshaped to the kernel's shape."""
+
+    def draw(key, shape, dtype=jnp.float32):
+        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+        return init(key, flat, dtype).reshape(shape)
+
+    return draw
 
 
 def dense(
@@ -75,28 +104,13 @@ def dense(
     dot_general_cls: DotGeneralFactory,
     kernel_init: Init = xavier,
     use_bias: bool = True,
-    axis: int | tuple[int, ...] = -1,
 ) -> nn.Module:
     """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias.
 
-    ``features`` and ``axis`` as nn.DenseGeneral's. The kernel is initialised as the 2-D
-    (inputs, outputs) matrix and reshaped, so a fused kernel gets the values of its flat form.
+    ``axes`` names the kernel's axes: the contracted trailing input axes, then ``features``.
     """
-    n_in = len(axis) if isinstance(axis, tuple) else 1
-    return Dense(
-        features,
-        axis=axis,
-        axes=axes,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=jnp.float32,
-        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
-        bias_init=nn.with_logical_partitioning(zeros, axes[n_in:]),
-        promote_dtype=promote_all_but_kernel,
-        dot_general=compute_dtype_dot,
-        dot_general_cls=dot_general_cls,
-        name=name,
-    )
+    features = (features,) if isinstance(features, int) else tuple(features)
+    return Dense(features, tuple(axes), dtype, dot_general_cls, kernel_init, use_bias, name=name)
 
 
 def fused_dense(
@@ -207,6 +221,9 @@ class Modulation(nn.Module):
         out = fused_dense(n, self.dim, "mod", "lin", self.dtype, self.dot_general_cls, kernel_init=zeros)(
             nn.silu(vec)
         )
+        # (B, n, dim) gathered over tensor, as the residual stream they modulate is: otherwise sharding
+        # propagation splits the norms and the residual by features and gathers (B, L, dim) activations.
+        out = constrain(out, ("act_batch", None, "act_embed"))
         chunks = [out[:, None, i] for i in range(n)]
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 
@@ -311,7 +328,7 @@ class SingleStreamBlock(nn.Module):
         mlp = gelu(h[:, :, 3:])
         b, length = attn.shape[:2]
         joined = jnp.concatenate([attn.reshape(b, length, 1, dim), mlp], axis=2)
-        out = dense(dim, (None, "mlp", "embed"), "linear2", self.dtype, dg, axis=(-2, -1))(joined)
+        out = dense(dim, (None, "mlp", "embed"), "linear2", self.dtype, dg)(joined)
         return x + gate * out
 
 

@@ -331,45 +331,56 @@ def _collectives(hlo: str) -> dict[str, list[str]]:
     """The result shapes of each collective op in compiled HLO text."""
     out = {}
     for op in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all"):
-        found = re.findall(rf"= (\S+) {op}(?:-start)?\(", hlo)
+        found = re.findall(rf"= (\([^)]*\)|\S+) {op}(?:-start)?\(", hlo)
         out[op] = found
     return out
 
 
-def _double_block_collectives(tokens: int = 16, txt: int = 8) -> dict[str, list[str]]:
-    """Collectives of one DoubleStreamBlock forward + backward on a tensor=2 mesh (2 CPU devices)."""
+def _block_collectives(kind: str, tokens: int = 16, txt: int = 8) -> dict[str, list[str]]:
+    """Collectives of one double ("double") or single ("single") block forward + backward on a
+    tensor=2 mesh (2 CPU devices); the single block sees the joint txt + img sequence."""
     from flux_jax import layers, math
 
     mesh = sharding.make_mesh(_config(1, 1, 2), jax.devices()[:2])
     dim, b = 128, 2
-    blk = layers.DoubleStreamBlock(dim, 4, 4.0, dtype=jnp.float32)
     img, txt_x, vec = jnp.ones((b, tokens, dim)), jnp.ones((b, txt, dim)), jnp.ones((b, dim))
     pe = math.embed_nd(jnp.zeros((b, tokens + txt, 3)), (8, 12, 12), 1e4)
-    variables, _ = sharding.sharded_init(lambda r: blk.init(r, img, txt_x, vec, pe), jax.random.key(0), mesh)
+    if kind == "double":
+        blk = layers.DoubleStreamBlock(dim, 4, 4.0, dtype=jnp.float32)
+        inputs = (img, txt_x)
+    else:
+        blk = layers.SingleStreamBlock(dim, 4, 4.0, dtype=jnp.float32)
+        inputs = (jnp.concatenate([txt_x, img], axis=1),)
+    variables, _ = sharding.sharded_init(lambda r: blk.init(r, *inputs, vec, pe), jax.random.key(0), mesh)
 
-    def loss(p, img, txt_x):
+    def loss(p, *x):
         with nn.logical_axis_rules(sharding.DEFAULT_RULES):
-            a, c = blk.apply({"params": p}, img, txt_x, vec, pe)
-        return jnp.sum(a) + jnp.sum(c)
+            out = blk.apply({"params": p}, *x, vec, pe)
+        return sum(jnp.sum(o) for o in (out if isinstance(out, tuple) else (out,)))
 
     with jax.set_mesh(mesh):
-        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        return _collectives(step.lower(variables["params"], img, txt_x).compile().as_text())
+        step = jax.jit(jax.grad(loss, argnums=tuple(range(1 + len(inputs)))))
+        return _collectives(step.lower(variables["params"], *inputs).compile().as_text())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 32 item 5: the fused qkv kernel follows BFL's (K H D) column order, so a tensor shard "
-    "holds q and part of k and XLA all-gathers the qkv activation (head-aligned layout not built yet)",
-)
-def test_tensor_parallel_double_block_gathers_no_token_activations():
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_tensor_parallel_blocks_gather_no_token_activations(kind):
     """Megatron's minimum for a tensor-parallel block without sequence parallelism: all-reduces of
     the row-parallel outputs (forward) and the column-parallel inputs' gradients (backward), and no
-    all-gather or permute of a tensor with the token axis. Measured today (CPU, 2 devices): 12
-    all-gathers (10 with the token axis, 4 of them the qkv activation) and 12 collective permutes (of
-    (B, 1, dim/2) modulation chunks: the modulation's 6 * dim outputs split over tensor mid-chunk)."""
-    found = _double_block_collectives(tokens=16, txt=8)
-    with_tokens = [
-        s for op in ("all-gather", "collective-permute") for s in found[op] if re.search(r"\[2,(16|8),", s)
-    ]
+    all-gather or permute of a tensor with the token axis. The fused projections are head-aligned
+    (layers.fused_dense), so q, k, v, the MLP parts and each modulation chunk split locally; the
+    only gathers are of the per-sample modulation output (B, 6 or 3, dim). Before that layout (qkv
+    kernel in BFL's flat (K H D) order) the double block compiled to 12 all-gathers (10 with the token
+    axis, 4 of them the qkv activation) and 12 collective permutes of (B, 1, dim/2) modulation chunks."""
+    found = _block_collectives(kind, tokens=16, txt=8)
+    token = r"\[2,(16|8|24),"
+    with_tokens = [s for op in ("all-gather", "collective-permute") for s in found[op] if re.search(token, s)]
     assert with_tokens == [], found
+    assert found["collective-permute"] == [] and found["all-to-all"] == [], found
+    parts = 6 if kind == "double" else 3
+    assert found["all-gather"] and all(s.startswith(f"f32[2,{parts},128]") for s in found["all-gather"])
+    # The row-parallel outputs and the column-parallel input gradients are reduced (XLA may combine
+    # several into one tuple all-reduce): proj and mlp_2 / linear2 forward, qkv and mlp_0 / linear1
+    # backward, for each stream.
+    reduced = sum(len(re.findall(token, s)) for s in found["all-reduce"])
+    assert reduced == (8 if kind == "double" else 2), found
