@@ -146,7 +146,7 @@ def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
 
 
 def _flat_dense(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """A Dense's params with the kernel as the (in, out) matrix and the bias flat (BFL's Linear, transposed)."""
+    """A Dense's params with the kernel as the (in, out) matrix and the bias flat: BFL's Linear transposed."""
     out = dict(tree)
     if "kernel" in tree and np.ndim(tree["kernel"]) >= 2:
         kernel = np.asarray(tree["kernel"])

@@ -134,7 +134,7 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
             if layers == 0:
                 out[k] = one(w, v, n_in)
             elif layers == 1:
-                out[k] = lax.map(lambda a: one(*a, n_in), (w, v))
+                out[k] = lax.map(lambda a, n_in=n_in: one(*a, n_in), (w, v))
             else:
                 raise ValueError(f"fp8_meta entry {k!r} has {layers} stacked axes; at most one is supported.")
         return out

@@ -117,7 +117,8 @@ def test_scanned_conversion_matches_unscanned():
     x = _inputs(h=2, w=5)
     plain = _jax_forward(params, convert.load_torch_state_dict(sd, params), x, True)
     scanned_vars = convert.load_torch_state_dict(sd, params, scan_blocks=True)
-    assert scanned_vars["params"]["double_blocks_scan_0_2"]["img_attn"]["qkv"]["kernel"].shape == (2, 32, 3, 32)
+    qkv = scanned_vars["params"]["double_blocks_scan_0_2"]["img_attn"]["qkv"]
+    assert qkv["kernel"].shape == (2, 32, 3, 32)
     scanned = _jax_forward(params, scanned_vars, x, True, scan_blocks=True)
     np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-6)
     assert _rel(scanned, _torch_forward(model, x, True)) < 1e-5
