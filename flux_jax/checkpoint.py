@@ -94,6 +94,32 @@ def segmented_layout_fix(params, workdir) -> str:
     )
 
 
+def flat_fused_layout_fix(expected, found, workdir) -> str:
+    """The fix for params whose fused projections are BFL's flat matrices; "" for any other tree.
+
+    flux_jax once stored qkv, the modulation lin, linear1 and linear2 as BFL's flat (in, out) kernels
+    and biases; they now keep each part on an axis of its own (layers.fused_dense), the same values
+    reshaped. A leaf with the expected number of values in fewer axes is that layout.
+    """
+    want, have = _flat(expected or {}), _flat(found or {})
+    flat = sorted(
+        p
+        for p, leaf in want.items()
+        if p in have
+        and len(have[p].shape) < len(leaf.shape)
+        and int(np.prod(have[p].shape)) == int(np.prod(leaf.shape))
+    )
+    if not flat:
+        return ""
+    return (
+        f"\nThese params hold the fused projections as flat matrices ({', '.join(flat[:4])}"
+        f"{', ...' if len(flat) > 4 else ''}), the layout of earlier flux_jax versions; they are now "
+        "laid out head-aligned for tensor parallelism (the same values, reshaped). Fix: export them "
+        f"(python -m flux_jax.checkpoint export --workdir {workdir} --output params.safetensors) and start "
+        "a new --workdir with --config.init_from=params.safetensors (optimizer state starts fresh)."
+    )
+
+
 def _config_json(config) -> dict:
     if hasattr(config, "to_json_best_effort"):
         return json.loads(config.to_json_best_effort())
@@ -206,6 +232,7 @@ class Checkpointer:
                 + "\nFix: use the model config the checkpoint was saved with (see its 'config' item), "
                 "or start a new --workdir (config.init_from can load its params only)."
                 + segmented_layout_fix(found.get("params"), self.directory.parent)
+                + flat_fused_layout_fix(target.get("params"), found.get("params"), self.directory.parent)
             )
         items = {_STATE: ocp.args.StandardRestore(target)}
         has_data = (step_dir / _DATA).exists()
@@ -268,6 +295,7 @@ def read_params(step_dir, abstract_params=None):
                 f"Params in {step_dir} do not fit this model:\n  " + "\n  ".join(bad[:50]) + "\n"
                 "Fix: set the model config to the one that checkpoint was trained with."
                 + segmented_layout_fix(found, step_dir.parent.parent)
+                + flat_fused_layout_fix(abstract_params, found, step_dir.parent.parent)
             )
         target = abstract_params
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)

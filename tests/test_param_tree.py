@@ -353,6 +353,43 @@ def test_a_checkpoint_in_the_segmented_layout_names_the_way_forward(tmp_path):
     _equal(got, state["params"])
 
 
+def _flat_fused(tree, lead=0):
+    """The layout of earlier versions: each fused kernel a flat (in, out) matrix, its bias flat (behind
+    the ``lead`` layer axis of a scanned stack)."""
+    if "kernel" in tree:
+        k, b = tree["kernel"], tree["bias"]
+        n_in = k.ndim - b.ndim
+        size = int(np.prod(k.shape[lead : lead + n_in]))
+        return {
+            **tree,
+            "kernel": k.reshape(*k.shape[:lead], size, -1),
+            "bias": b.reshape(*b.shape[:lead], -1),
+        }
+    return {
+        k: _flat_fused(v, 1 if "_scan_" in k else lead) if isinstance(v, dict) else v for k, v in tree.items()
+    }
+
+
+def test_a_checkpoint_with_flat_fused_projections_names_the_way_forward(tmp_path):
+    config, fp, _, state = _built(True, "e4m3", False)
+    params = _flat_fused(state["params"])
+    assert params["double_blocks_scan_0_2"]["img_attn"]["qkv"]["kernel"].shape == (2, 32, 96)
+    assert params["single_blocks_scan_0_2"]["linear2"]["kernel"].shape == (2, 160, 32)
+    old = state | {"params": params, "opt_state": optim.make_optimizer(config).init(params)}
+    ck = checkpoint.Checkpointer(tmp_path, config)
+    assert ck.save(2, old, force=True)
+    fix = r"as flat matrices \(double_blocks_scan_0_2/img_attn/qkv/bias, .* --config.init_from="
+    with pytest.raises(ValueError, match=fix):
+        ck.restore(2, _abstract(state), fresh_fp8_meta=state["fp8_meta"])
+    ck.close()
+    with pytest.raises(ValueError, match=fix):
+        checkpoint.load_init_from(str(tmp_path), fp, _abstract(state["params"]), scan_blocks=True)
+    # The fix it names: export (which reads either layout), then init_from.
+    exported = checkpoint.export(tmp_path, tmp_path / "params.safetensors", dtype="float32")
+    got = checkpoint.load_init_from(str(exported), fp, _abstract(state["params"]), scan_blocks=True)
+    _equal(got, state["params"])
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", *args]
