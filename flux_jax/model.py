@@ -3,6 +3,8 @@
 Param tree (unscanned) mirrors BFL's state dict with "." -> "/" and list indices joined by "_":
 `double_blocks_0/img_attn/qkv/kernel`, `double_blocks_0/img_mlp_0/kernel`,
 `single_blocks_3/linear1/kernel`, `final_layer/adaLN_modulation_1/kernel`, `time_in/in_layer/bias`.
+BFL's fused Linears (qkv, the modulations' lin, linear1, linear2) keep their parts on an axis of
+their own, head-aligned for tensor parallelism (`layers.fused_dense`): qkv/kernel is (dim, 3, dim).
 With `scan_blocks`, each block kind is one module `double_blocks_scan_0_{depth}` /
 `single_blocks_scan_0_{depth_single_blocks}` whose variables carry a leading "layers" axis.
 

@@ -46,10 +46,10 @@ def test_flux_dev_shapes_and_parameter_count():
     args = jax.eval_shape(lambda: _inputs(params, batch=1))
     shapes = jax.eval_shape(lambda *a: nn.unbox(Flux(params).init(jax.random.key(0), *a)), *args)["params"]
     assert _n_params(shapes) == 11_901_408_320
-    assert shapes["double_blocks_18"]["img_attn"]["qkv"]["kernel"].shape == (3072, 9216)
+    assert shapes["double_blocks_18"]["img_attn"]["qkv"]["kernel"].shape == (3072, 3, 3072)
     assert shapes["double_blocks_0"]["txt_mlp_0"]["kernel"].shape == (3072, 12288)
-    assert shapes["single_blocks_37"]["linear1"]["kernel"].shape == (3072, 21504)
-    assert shapes["single_blocks_0"]["linear2"]["kernel"].shape == (15360, 3072)
+    assert shapes["single_blocks_37"]["linear1"]["kernel"].shape == (3072, 7, 3072)
+    assert shapes["single_blocks_0"]["linear2"]["kernel"].shape == (5, 3072, 3072)
     assert shapes["final_layer"]["adaLN_modulation_1"]["kernel"].shape == (3072, 6144)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(shapes))
     schnell = PRESETS["flux-schnell"]
