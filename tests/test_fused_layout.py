@@ -119,7 +119,7 @@ def _block(kind, dtype, dg=None):
 def test_head_aligned_blocks_compute_the_flat_layout(kind, dtype):
     xs, vec, pe = _inputs(kind, dtype)
     block = _block(kind, dtype)
-    params = _random(block.init(jax.random.key(0), *xs, vec, pe)["params"], 1)
+    params = _random(nn.unbox(block.init(jax.random.key(0), *xs, vec, pe))["params"], 1)
     assert params["linear1" if kind == "single" else "img_attn"]  # the tree has BFL's names
     shapes = jax.tree.map(jnp.shape, params)
     if kind == "double":
@@ -162,7 +162,7 @@ def test_fp8_dots_of_head_aligned_kernels_compute_the_flat_layout(kind):
     dg = functools.partial(Fp8DotGeneral, spec=Fp8Spec(amax_history_len=4))
     xs, vec, pe = _inputs(kind, dtype)
     block = _block(kind, dtype, dg)
-    variables = block.init(jax.random.key(0), *xs, vec, pe)
+    variables = nn.unbox(block.init(jax.random.key(0), *xs, vec, pe))
     params = _random(variables["params"], 1)
     meta = jax.tree.map(lambda h: h + 1.0 if h.ndim else h * 0.05, variables[FP8_COLLECTION])
     got, state = block.apply({"params": params, FP8_COLLECTION: meta}, *xs, vec, pe, mutable=FP8_COLLECTION)
@@ -181,6 +181,7 @@ def test_fp8_dots_of_head_aligned_kernels_compute_the_flat_layout(kind):
     # Each FP8 dot's new forward state (amax histories and scales of its input and kernel): the same
     # from the fused kernel as from the flat one. The modulation runs BF16 in both (no FP8 state).
     assert set(record) == {"/".join(k) for k in _dense_paths(state[FP8_COLLECTION])}
+    assert len(record) == (8 if kind == "double" else 2)
     for path, new in record.items():
         got_state = state[FP8_COLLECTION]
         for key in path.split("/"):

@@ -86,13 +86,14 @@ def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
     assert out.shape == (2, 6, 64) and out.dtype == jnp.float32
     np.testing.assert_array_equal(out, 0.0)  # zero final layer: training starts at velocity 0
     spec = nn.get_partition_spec(variables)["params"]
-    assert spec["double_blocks_0"]["img_attn"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "qkv")
-    assert spec["double_blocks_0"]["img_mod"]["lin"]["kernel"] == jax.sharding.PartitionSpec("embed", "mod")
+    block = spec["double_blocks_0"]
+    assert block["img_attn"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", None, "qkv")
+    assert block["img_mod"]["lin"]["kernel"] == jax.sharding.PartitionSpec("embed", None, "mod")
     assert spec["img_in"]["kernel"] == jax.sharding.PartitionSpec("in", "embed")
     scanned_spec = nn.get_partition_spec(Flux(params, scan_blocks=True).init(jax.random.key(0), *args))
     assert scanned_spec["params"]["single_blocks_scan_0_1"]["linear1"][
         "kernel"
-    ] == jax.sharding.PartitionSpec("layers", "embed", "qkv")
+    ] == jax.sharding.PartitionSpec("layers", "embed", None, "qkv")
 
 
 class AmaxDot(nn.Module):
