@@ -152,7 +152,8 @@ def test_tiny_flux_loss_and_grads_match_single_device(tiny_reference, sizes):
     proj = variables["params"]["double_blocks_0"]["img_attn"]["proj"]["kernel"]
     tp, fs = sizes[2] > 1, sizes[1] > 1
     # Size-1 mesh axes may or may not be named in a spec; what matters is the placement.
-    want_qkv = NamedSharding(mesh, PartitionSpec("fsdp" if fs else None, "tensor" if tp else None))
+    # The fused qkv kernel (dim, 3, dim) splits each of q, k and v over tensor (head-aligned).
+    want_qkv = NamedSharding(mesh, PartitionSpec("fsdp" if fs else None, None, "tensor" if tp else None))
     want_proj = NamedSharding(mesh, PartitionSpec("tensor" if tp else None, "fsdp" if fs else None))
     assert qkv.sharding.is_equivalent_to(want_qkv, qkv.ndim), qkv.sharding
     assert proj.sharding.is_equivalent_to(want_proj, proj.ndim), proj.sharding
