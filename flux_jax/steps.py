@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flux_jax import choices, flow, fp8, model
+from flux_jax import choices, flow, fp8, model, optim
 
 
 def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
@@ -41,12 +41,16 @@ def forward(net, params, fp8_meta, batch, t, x_t, guidance_scale, fp8_weights=No
 def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, num_micro: int, use_fp8: bool):
     """(state, batch) -> (state, metrics). Gradient accumulation scans over num_micro micro batches.
 
+    The metrics are the loss, the gradient norm, whether both were finite and the step's scheduled
+    learning rate (``optim.lr_schedule`` at the step count), so logging needs no computation of its own.
+
     A step with a non-finite loss or gradient norm leaves params, opt_state and fp8_meta untouched.
     With accumulation and ``config.fp8_cache_weights``, each FP8 kernel is cast once per step, not
     once per micro batch (Transformer Engine's ``is_first_microbatch``); the result is the same.
     """
     cache_weights = use_fp8 and num_micro > 1 and bool(config.get("fp8_cache_weights", True))
     spec = fp8.spec_from_config(config) if cache_weights else None
+    schedule = optim.lr_schedule(config)
 
     def loss_fn(params, fp8_meta, batch, fp8_weights):
         x_t, target = flow.noise(batch["img"], batch["eps"], batch["t"])
@@ -119,19 +123,29 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
             "fp8_meta": keep(new_meta, fp8_meta) if use_fp8 else fp8_meta,
             "rng": state["rng"],
         }
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        lr = schedule(state["step"])
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "lr": lr}
 
     return step
 
 
 def make_eval_step(config, net: model.Flux, use_fp8: bool):
-    """(params, fp8_meta, batch, rng) -> (8,) loss sums and counts per validation timestep."""
+    """(params, fp8_meta, batch, rng, index, totals) -> (totals, loss, per_timestep_loss).
 
-    def step(params, fp8_meta, batch, rng):
+    ``totals`` = ((8,) loss sums, (8,) counts) per validation timestep over the pass so far (zeros
+    before its first batch); the noise of batch ``index`` is drawn from ``fold_in(rng, index)``. The
+    returned loss and (8,) per-timestep losses are ``flow.validation_loss`` of the new totals, so a
+    pass reads two small arrays after its last batch and runs nothing else.
+    """
+
+    def step(params, fp8_meta, batch, rng, index, totals):
         x0 = batch["img"]
         t = flow.validation_timesteps(batch["timestep"])
-        x_t, target = flow.noise(x0, jax.random.normal(rng, x0.shape, x0.dtype), t)
+        eps = jax.random.normal(jax.random.fold_in(rng, index), x0.shape, x0.dtype)
+        x_t, target = flow.noise(x0, eps, t)
         pred = forward(net, params, fp8_meta if use_fp8 else {}, batch, t, x_t, config.guidance_scale)
-        return flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
+        sums, counts = flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
+        totals = (totals[0] + sums, totals[1] + counts)
+        return (totals, *flow.validation_loss(*totals))
 
     return step
