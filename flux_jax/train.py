@@ -141,7 +141,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         if val_spec is None:
             return train, None
         evaluate = jax.jit(
-            steps.make_eval_step(config, step_net, fp8_on),
+            steps.make_eval_step(config, step_net, run.num_micro, fp8_on),
             in_shardings=(
                 state_shardings["params"],
                 state_shardings["fp8_meta"],

@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +222,23 @@ def test_steps_compile_at_start_up_and_the_loop_compiles_nothing(tiny_config, tm
     # The logged learning rate is the schedule's at the step count, as the optimizer applies it.
     lrs = [x["lr"] for x in _lines(str(tmp_path)) if x["split"] == "train"]
     np.testing.assert_allclose(lrs, [float(optim.lr_schedule(config)(s)) for s in range(4)], rtol=1e-6)
+
+
+def test_train_command_compiles_before_the_loop_and_validates_without_compiling(tmp_path):
+    # The real command, FP8, one CPU device: the start-up log names both compiles and the loop
+    # (steps, logs, two checkpoints, two validation passes) compiles nothing.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = os.environ | {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    overrides = "model.preset=tiny data.image_size=32 data.txt_len=4 micro_batch_size=1 global_batch_size=2"
+    overrides += " train_iters=4 eval_interval=2 eval_iters=2 save_interval=2 log_interval=1"
+    cmd = [sys.executable, "-m", "flux_jax.train", "--config", "configs/toy.py:fp8", "--workdir"]
+    cmd += [str(tmp_path), *(f"--config.{o}" for o in overrides.split())]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Compiled the FP8 train step in" in proc.stderr
+    assert "Compiled the FP8 eval step (in the background) in" in proc.stderr
+    assert "step 2: validation loss" in proc.stderr and "step 4: validation loss" in proc.stderr
+    assert "XLA compiled inside the train loop" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_validation_matches_the_eager_formula(tiny_config, tmp_path):
