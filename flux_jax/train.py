@@ -120,9 +120,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     # ---- Step functions, compiled before the loop ---------------------------------------------
     first = int(state["step"])
-    batches = _global_batches(train_iter, mesh)
     # The first batch is drawn before the loop: the train step is compiled for its shapes.
-    upcoming = [next(batches)] if first < config.train_iters else []
+    upcoming = [_to_global(next(train_iter), mesh)] if first < config.train_iters else []
     context = lambda: _compile_context(mesh, rules)  # noqa: E731
     eval_zeros = (np.zeros(latents.NUM_VAL_TIMESTEPS, np.float32),) * 2  # the totals of no batch
 
@@ -178,10 +177,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             ckpt.save(step, state, data_state, force=force)
 
     def run_eval(step: int) -> float:
-        evaluate = eval_step.get()
         t0, totals = time.perf_counter(), eval_zeros
         val_iter = setup.make_pipeline(config, "val", fp=fp)
         with watch.during(f"validation after step {step}"), _closing_pipeline(val_iter):
+            evaluate = eval_step.get()  # the background compile, done by now unless validation comes early
             for i in range(config.eval_iters):
                 _, batch = _to_global(next(val_iter), mesh)
                 args = (state["params"], state["fp8_meta"], batch, eval_rng, np.int32(i), totals)
@@ -227,7 +226,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # caught by it too, instead of interrupting the write.
     with guard, finish, watch, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         for step in range(first, config.train_iters):
-            ids, batch = upcoming.pop() if upcoming else next(batches)
+            ids, batch = upcoming.pop() if upcoming else _to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
             done = step + 1
             watch.where = f"step {done}"
@@ -271,12 +270,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if first < config.train_iters:
         log.info("%s", console.end_summary(result, first, workdir, ckpt.latest_step()))
     return result
-
-
-def _global_batches(iterator, mesh):
-    """(sample ids, global batch) for each host batch of ``iterator``, drawn when asked for."""
-    while True:
-        yield _to_global(next(iterator), mesh)
 
 
 @contextlib.contextmanager
