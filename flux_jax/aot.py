@@ -22,7 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax import monitoring
+
+from flux_jax import latents, setup, sharding, steps
 
 log = logging.getLogger("flux_jax.train")
 
@@ -50,6 +53,44 @@ def compile_now(name: str, jitted, args: tuple, context: Callable[[], Any]) -> t
     seconds = time.perf_counter() - t0
     log.info("Compiled the %s in %.1f s.", name, seconds)
     return compiled, seconds
+
+
+def compile_steps(
+    run: setup.Run,
+    state_shardings: dict,
+    fp8_on: bool,
+    train_spec: tuple,
+    val_spec: dict | None,
+    eval_rng_spec,
+    context: Callable[[], Any],
+) -> tuple[Any, BackgroundCompile | None]:
+    """(the train step compiled now for ``train_spec`` = (state, batch), the eval step compiling in
+    the background for ``val_spec``, its global batch; None when the run does not validate)."""
+    config, mesh = run.config, run.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    batch_sh = sharding.batch_sharding(mesh)
+    net = run.model_for(fp8_on)
+    fp8_name = "FP8 " if fp8_on else ""
+    train = jax.jit(
+        steps.make_train_step(config, net, run.tx, run.num_micro, fp8_on),
+        in_shardings=(state_shardings, batch_sh),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    train, _ = compile_now(f"{fp8_name}train step", train, train_spec, context)
+    if val_spec is None:
+        return train, None
+    params, fp8_meta = state_shardings["params"], state_shardings["fp8_meta"]
+    evaluate = jax.jit(
+        steps.make_eval_step(config, net, run.num_micro, fp8_on),
+        in_shardings=(params, fp8_meta, batch_sh, replicated, replicated, (replicated, replicated)),
+        out_shardings=replicated,
+    )
+    totals = (jax.ShapeDtypeStruct((latents.NUM_VAL_TIMESTEPS,), np.float32),) * 2
+    index = jax.ShapeDtypeStruct((), np.int32)
+    state = train_spec[0]
+    eval_args = (state["params"], state["fp8_meta"], val_spec, eval_rng_spec, index, totals)
+    return train, BackgroundCompile(f"{fp8_name}eval step", evaluate, eval_args, context)
 
 
 class BackgroundCompile:

@@ -33,7 +33,6 @@ from flux_jax import (
     preemption,
     setup,
     sharding,
-    steps,
 )
 from flux_jax.errors import UserError
 
@@ -91,7 +90,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # ---- Mesh, model (+ FP8 policy), optimizer: flux_jax.setup --------------------------------
     run = setup.build(config)
     fp, mesh, rules, use_fp8 = run.fp, run.mesh, run.rules, run.use_fp8
-    batch_sh = sharding.batch_sharding(mesh)
 
     # ---- Data ---------------------------------------------------------------------------------
     train_iter = setup.make_pipeline(config, "train", fp=fp)
@@ -113,7 +111,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         fresh = setup.fresh_fp8_meta(run, state_shardings)
         state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fresh)
         train_iter.set_state(data_state)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     log.info("%s", console.start_line(config, workdir, mesh, n_params, use_fp8, start))
     choices_line = ", ".join(f"{field}={value}" for field, value in resolved.items())
     log.info("Platform %s %s: %s", desc.platform, desc.device_kind, choices_line)
@@ -126,34 +123,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     eval_zeros = (np.zeros(latents.NUM_VAL_TIMESTEPS, np.float32),) * 2  # the totals of no batch
 
     def compile_steps(fp8_on: bool, train_spec: tuple):
-        """The train step compiled now; the eval step compiling in a background thread (None without
-        validation)."""
-        step_net = run.model_for(fp8_on)
-        fp8_name = "FP8 " if fp8_on else ""
-        train = jax.jit(
-            steps.make_train_step(config, step_net, run.tx, run.num_micro, fp8_on),
-            in_shardings=(state_shardings, batch_sh),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=0,
-        )
-        train, _ = aot.compile_now(f"{fp8_name}train step", train, train_spec, context)
-        if val_spec is None:
-            return train, None
-        evaluate = jax.jit(
-            steps.make_eval_step(config, step_net, run.num_micro, fp8_on),
-            in_shardings=(
-                state_shardings["params"],
-                state_shardings["fp8_meta"],
-                batch_sh,
-                replicated,
-                replicated,
-                (replicated, replicated),
-            ),
-            out_shardings=replicated,
-        )
-        eval_args = (train_spec[0]["params"], train_spec[0]["fp8_meta"], val_spec, eval_rng_spec)
-        eval_args += (jax.ShapeDtypeStruct((), np.int32), aot.abstract_like(eval_zeros))
-        return train, aot.BackgroundCompile(f"{fp8_name}eval step", evaluate, eval_args, context)
+        return aot.compile_steps(run, state_shardings, fp8_on, train_spec, val_spec, eval_rng_spec, context)
 
     eval_rng_spec = jax.ShapeDtypeStruct(eval_rng.shape, eval_rng.dtype)
     train_spec = aot.abstract_like((state, upcoming[0][1])) if upcoming else None
