@@ -37,11 +37,7 @@ def abstract_like(tree: Any) -> Any:
     """Arrays -> ShapeDtypeStructs with their shardings: what a program is compiled for, holding no
     buffer (a donated or deleted array cannot be lowered later; its description can)."""
 
-    def describe(x):
-        sharding = getattr(x, "sharding", None) if getattr(x, "_committed", True) else None
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(describe, tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def compile_now(name: str, jitted, args: tuple, context: Callable[[], Any]) -> tuple[Any, float]:
