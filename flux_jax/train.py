@@ -127,7 +127,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
     eval_rng_spec = jax.ShapeDtypeStruct(eval_rng.shape, eval_rng.dtype)
     train_spec = aot.abstract_like((state, upcoming[0][1])) if upcoming else None
-    train_step, eval_step = compile_steps(use_fp8, train_spec) if upcoming else (None, None)
+    train_step = eval_step = None  # compiled when the loop starts, under the preemption guard
     flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])
     writer = metrics.MetricWriter(workdir, enabled=is_main, resume_step=start or 0)
     ids_log = metrics.IdsLog(workdir, jax.process_index(), enabled=bool(config.data.get("log_ids", False)))
@@ -195,6 +195,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
     with guard, finish, watch, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        if upcoming:
+            with watch.expected():
+                train_step, eval_step = compile_steps(use_fp8, train_spec)
         for step in range(first, config.train_iters):
             ids, batch = upcoming.pop() if upcoming else _to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
