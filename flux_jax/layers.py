@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.fp8_attention import Fp8Attention
 from flux_jax.fp8_dot import Fp8Spec
-from flux_jax.math import attention, compute_dtype_dot
+from flux_jax.math import attention, compute_dtype_dot, rms_norm_rope
 from flux_jax.sharding import constrain
 
 DotGeneralFactory = Callable[[], nn.Module] | None
@@ -116,29 +116,26 @@ class MLPEmbedder(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation in float32, cast back to the input dtype, then times `scale`."""
+    """RMS normalisation in float32, cast back to the input dtype, times `scale`, cast to `dtype`, then
+    RoPE by `pe`: one `rms_norm_rope` (its backward keeps no float32 intermediates)."""
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, pe: jax.Array, dtype: Any) -> jax.Array:
         scale = self.param(
             "scale",
             nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
             (x.shape[-1],),
             jnp.float32,
         )
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return normed.astype(x.dtype) * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+        return rms_norm_rope(x, scale, pe, dtype)
 
 
 class QKNorm(nn.Module):
-    """Per-head RMSNorm of q and k; both come back in v's dtype."""
+    """Per-head RMSNorm and RoPE of q and k; both come back in v's dtype, rotated by `pe`."""
 
     @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        q = RMSNorm(name="query_norm")(q)
-        k = RMSNorm(name="key_norm")(k)
-        return q.astype(v.dtype), k.astype(v.dtype)
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array) -> tuple[jax.Array, ...]:
+        return RMSNorm(name="query_norm")(q, pe, v.dtype), RMSNorm(name="key_norm")(k, pe, v.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -157,10 +154,10 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm()
         self.proj = dense(self.dim, ("heads", "embed"), "proj", self.dtype, self.dot_general_cls)
 
-    def heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x (B, L, dim) -> normalised q, k and v, each (B, L, H, D)."""
+    def heads(self, x: jax.Array, pe: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B, L, dim) -> normalised and rotated q, k, and v, each (B, L, H, D); pe: x's tokens' RoPE."""
         q, k, v = split_heads(self.qkv(x), 3, self.num_heads)
-        q, k = self.norm(q, k, v)
+        q, k = self.norm(q, k, v, pe)
         return q, k, v
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -185,13 +182,13 @@ class Modulation(nn.Module):
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 
 
-def joint_attention(block: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array) -> jax.Array:
-    """The block's rotary joint attention: FP8 (cuDNN) when the block runs FP8 and ``attention_fp8`` is
-    set (``config.fp8_dot_product_attention``), else ``attention_impl`` in 16 bits."""
+def joint_attention(block: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The block's joint attention of q, k rotated by QKNorm: FP8 (cuDNN) when the block runs FP8 and
+    ``attention_fp8`` is set (``config.fp8_dot_product_attention``), else ``attention_impl`` in 16 bits."""
     if block.attention_fp8 is not None and block.dot_general_cls is not None:
-        out = Fp8Attention(block.attention_fp8, name="fp8_attention")(q, k, v, pe)
+        out = Fp8Attention(block.attention_fp8, name="fp8_attention")(q, k, v)
     else:
-        out = attention(q, k, v, pe, block.attention_impl)
+        out = attention(q, k, v, None, block.attention_impl)
     return checkpoint_name(out, "attention_out")
 
 
@@ -239,14 +236,15 @@ class DoubleStreamBlock(nn.Module):
                 mlp_2=dense(dim, ("mlp", "embed"), f"{s}_mlp_2", self.dtype, dg),
             )
         x = {"img": img, "txt": txt}
+        n_txt = txt.shape[1]
+        stream_pe = {"txt": pe[:, :n_txt], "img": pe[:, n_txt:]}  # RoPE is per token: rotate each stream
         mods, qkv = {}, {}
         for s, m in streams.items():
             mods[s] = m["mod"](vec)
             shift, scale, _ = mods[s][0]
-            qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale))
+            qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale), stream_pe[s])
         q, k, v = (jnp.concatenate([qkv["txt"][i], qkv["img"][i]], axis=1) for i in range(3))
-        attn = joint_attention(self, q, k, v, pe)
-        n_txt = txt.shape[1]
+        attn = joint_attention(self, q, k, v)
         attn_out = {"txt": attn[:, :n_txt], "img": attn[:, n_txt:]}
         for s, m in streams.items():
             (_, _, gate1), (shift2, scale2, gate2) = mods[s]
@@ -277,8 +275,8 @@ class SingleStreamBlock(nn.Module):
         x_mod = modulate(layer_norm("pre_norm", self.dtype)(x), shift, scale)
         h = dense(3 * dim + mlp_dim, ("embed", "qkv"), "linear1", self.dtype, dg)(x_mod)
         q, k, v = split_heads(h[..., : 3 * dim], 3, self.num_heads)
-        q, k = QKNorm(name="norm")(q, k, v)
-        attn = joint_attention(self, q, k, v, pe)
+        q, k = QKNorm(name="norm")(q, k, v, pe)
+        attn = joint_attention(self, q, k, v)
         mlp = gelu(h[..., 3 * dim :])
         out = dense(dim, ("mlp", "embed"), "linear2", self.dtype, dg)(jnp.concatenate([attn, mlp], -1))
         return x + gate * out
