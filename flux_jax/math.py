@@ -79,6 +79,10 @@ def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
+def _row(scale: jax.Array, ndim: int) -> jax.Array:
+    return scale.reshape((1,) * (ndim - 1) + scale.shape)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def rms_norm_rope(x: jax.Array, scale: jax.Array, pe: jax.Array, dtype: Any) -> jax.Array:
     """RMSNorm of the head dim (float32 math, rounded to x's dtype, times ``scale``), cast to ``dtype``,
@@ -94,27 +98,27 @@ def rms_norm_rope(x: jax.Array, scale: jax.Array, pe: jax.Array, dtype: Any) -> 
 
 
 def _rms_norm_rope_fwd(x, scale, pe, dtype):
-    x32 = x.astype(jnp.float32)
+    x32, scale_row = x.astype(jnp.float32), _row(scale, x.ndim)
     mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_NORM_EPS
-    y = ((x32 * jax.lax.rsqrt(mean_sq)).astype(x.dtype) * scale).astype(dtype)
+    y = ((x32 * jax.lax.rsqrt(mean_sq)).astype(x.dtype) * scale_row).astype(dtype)
     out = _rotate(y.astype(jnp.float32), pe).astype(dtype)
     return out, (x, scale, pe, mean_sq)
 
 
 def _rms_norm_rope_bwd(dtype, res, g):
     x, scale, pe, mean_sq = res
-    x32, r = x.astype(jnp.float32), jax.lax.rsqrt(mean_sq)
+    x32, r, scale_row = x.astype(jnp.float32), jax.lax.rsqrt(mean_sq), _row(scale, x.ndim)
     normed32 = (x32 * r).astype(x.dtype).astype(jnp.float32)
     g32 = g.astype(jnp.float32)
     # RoPE's transpose, rounded where autodiff rounds it (the cast to `dtype` before RoPE).
     g_y = _rotate_transpose(g32, pe).astype(dtype).astype(jnp.float32)
     g_scale = jnp.sum(g_y * normed32, axis=tuple(range(x.ndim - 1))).astype(scale.dtype)
-    g_normed = (g_y * scale).astype(x.dtype).astype(jnp.float32)
+    g_normed = (g_y * scale_row).astype(x.dtype).astype(jnp.float32)
     # d/dx of x * rsqrt(mean(x^2) + eps), in autodiff's order: rsqrt' = -0.5 * r / mean_sq.
     g_mean = jnp.sum(x32 * g_normed, axis=-1, keepdims=True) * (-0.5 * (r / mean_sq)) / x.shape[-1]
     g_x = g_normed * r + x32 * g_mean + g_mean * x32
     # pe's gradient (unused in training: pe comes from the positions): sum over heads of g_i x_j.
-    y32 = (normed32 * scale).astype(dtype).astype(jnp.float32)
+    y32 = (normed32 * scale_row).astype(dtype).astype(jnp.float32)
     g_pe = g32.reshape(*g.shape[:-1], -1, 2, 1) * y32.reshape(*x.shape[:-1], -1, 1, 2)
     g_pe = _sum_to(g_pe, pe.shape).astype(pe.dtype)
     return g_x.astype(x.dtype), g_scale, g_pe
