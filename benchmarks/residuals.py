@@ -43,8 +43,7 @@ def block_inputs(args) -> dict:
 def residuals(block: nn.Module, inputs: tuple) -> list:
     """(aval, source) of each residual of the block's output sum w.r.t. its params and its inputs but
     the last (pe, which comes from the positions)."""
-    params = jax.eval_shape(lambda: block.init(jax.random.key(0), *inputs))["params"]
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(params))
+    params = nn.unbox(jax.eval_shape(lambda: block.init(jax.random.key(0), *inputs))["params"])
 
     def loss(p, acts):
         out = block.apply({"params": p}, *acts, inputs[-1])
