@@ -5,6 +5,7 @@ remat), by dtype and by the source line that made each residual, at a small shap
 
     python benchmarks/residuals.py                       # width 384, 3 heads, 2 x 64 + 64 tokens
     python benchmarks/residuals.py --width 3072 --heads 24 --batch 4 --img 1024 --txt 512 --top 20
+    python benchmarks/residuals.py --compiled   # also XLA's temp bytes of each block's jitted gradient
 
 Jaxpr-level residuals: what autodiff would keep before XLA fuses or recomputes anything; the GPU's
 allocator peak (``benchmarks/step.py``) is the figure that counts, this says where it comes from.
@@ -40,16 +41,29 @@ def block_inputs(args) -> dict:
     )
 
 
-def residuals(block: nn.Module, inputs: tuple) -> list:
-    """(aval, source) of each residual of the block's output sum w.r.t. its params and its inputs but
-    the last (pe, which comes from the positions)."""
+def block_loss(block: nn.Module, inputs: tuple):
+    """(loss(params, acts), abstract params): the sum of the block's outputs, differentiated w.r.t. its
+    params and its inputs but the last (pe, which comes from the positions)."""
     params = nn.unbox(jax.eval_shape(lambda: block.init(jax.random.key(0), *inputs))["params"])
 
     def loss(p, acts):
         out = block.apply({"params": p}, *acts, inputs[-1])
         return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(out))
 
+    return loss, params
+
+
+def residuals(block: nn.Module, inputs: tuple) -> list:
+    """(aval, source) of each residual the block's backward keeps."""
+    loss, params = block_loss(block, inputs)
     return saved_residuals(loss, params, inputs[:-1])
+
+
+def compiled_temp_bytes(block: nn.Module, inputs: tuple) -> int:
+    """XLA's temp buffer bytes of the block's jitted gradient on the default backend."""
+    loss, params = block_loss(block, inputs)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, inputs[:-1]).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def summarize(name: str, found: list, top: int) -> dict:
@@ -75,16 +89,20 @@ def main():
     parser.add_argument("--img", type=int, default=64)
     parser.add_argument("--txt", type=int, default=64)
     parser.add_argument("--top", type=int, default=12, help="largest residual sources to list")
+    parser.add_argument("--compiled", action="store_true", help="also compile each block's gradient")
     args = parser.parse_args()
     x = block_inputs(args)
     common = dict(hidden_size=args.width, num_heads=args.heads, mlp_ratio=4.0, dtype=jnp.bfloat16)
-    summarize(
-        "double block",
-        residuals(DoubleStreamBlock(**common), (x["img"], x["txt"], x["vec"], x["pe"])),
-        args.top,
-    )
     joint = jnp.concatenate([x["txt"], x["img"]], axis=1)
-    summarize("single block", residuals(SingleStreamBlock(**common), (joint, x["vec"], x["pe"])), args.top)
+    blocks = {
+        "double block": (DoubleStreamBlock(**common), (x["img"], x["txt"], x["vec"], x["pe"])),
+        "single block": (SingleStreamBlock(**common), (joint, x["vec"], x["pe"])),
+    }
+    for name, (block, inputs) in blocks.items():
+        summarize(name, residuals(block, inputs), args.top)
+        if args.compiled:
+            temp = compiled_temp_bytes(block, inputs)
+            print(f"  compiled gradient on {jax.default_backend()}: temp {temp / 2**20:.3f} MiB")
 
 
 if __name__ == "__main__":
