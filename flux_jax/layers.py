@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.fp8_attention import Fp8Attention
 from flux_jax.fp8_dot import Fp8Spec
-from flux_jax.math import attention, compute_dtype_dot, rms_norm_rope
+from flux_jax.math import attention, compute_dtype_dot, float32_kernel_dot, rms_norm_rope
 from flux_jax.sharding import constrain
 
 DotGeneralFactory = Callable[[], nn.Module] | None
@@ -69,6 +69,7 @@ def dense(
     dot_general_cls: DotGeneralFactory,
     kernel_init: Init = xavier,
     use_bias: bool = True,
+    dot_general: Callable = compute_dtype_dot,
 ) -> nn.Dense:
     """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias."""
     return Dense(
@@ -80,7 +81,7 @@ def dense(
         kernel_init=nn.with_logical_partitioning(kernel_init, axes),
         bias_init=nn.with_logical_partitioning(zeros, (axes[1],)),
         promote_dtype=promote_all_but_kernel,
-        dot_general=compute_dtype_dot,
+        dot_general=dot_general,
         dot_general_cls=dot_general_cls,
         name=name,
     )
@@ -165,7 +166,8 @@ class SelfAttention(nn.Module):
 
 
 class Modulation(nn.Module):
-    """lin(silu(vec)) split into (shift, scale, gate) once, or twice when `double`."""
+    """lin(silu(vec)) split into (shift, scale, gate) once, or twice when `double`. In 16 bits `lin` runs
+    on its float32 kernel (``float32_kernel_dot``): M is the batch, so the GEMM is the kernel's bytes."""
 
     dim: int
     double: bool
@@ -175,9 +177,17 @@ class Modulation(nn.Module):
     @nn.compact
     def __call__(self, vec: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
         n = 6 if self.double else 3
-        out = dense(n * self.dim, ("embed", "mod"), "lin", self.dtype, self.dot_general_cls, zeros)(
-            nn.silu(vec)
+        lin = dense(
+            n * self.dim,
+            ("embed", "mod"),
+            "lin",
+            self.dtype,
+            self.dot_general_cls,
+            zeros,
+            True,
+            float32_kernel_dot,
         )
+        out = lin(nn.silu(vec))
         chunks = jnp.split(out[:, None, :], n, axis=-1)
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 

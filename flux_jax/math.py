@@ -195,3 +195,43 @@ def compute_dtype_dot(lhs, rhs, dimension_numbers, precision=None, preferred_ele
         precision=precision,
         preferred_element_type=preferred_element_type,
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _float32_kernel_dot(lhs, rhs, dimension_numbers, precision):
+    return _float32_kernel_dot_fwd(lhs, rhs, dimension_numbers, precision)[0]
+
+
+def _float32_kernel_dot_fwd(lhs, rhs, dimension_numbers, precision):
+    wide = rhs.dtype
+    out = jax.lax.dot_general(
+        lhs.astype(wide), rhs, dimension_numbers, precision=precision, preferred_element_type=wide
+    )
+    return out.astype(lhs.dtype), (lhs, rhs)
+
+
+def _float32_kernel_dot_bwd(dimension_numbers, precision, res, g):
+    lhs, rhs = res
+    wide, batch = rhs.dtype, tuple(range(lhs.ndim - 1))
+    # dx from the float32 kernel; dw leaves the GEMM in the input's dtype, as the 16-bit dot's does.
+    dx = jax.lax.dot_general(g.astype(wide), rhs, (((g.ndim - 1,), (1,)), ((), ())), precision=precision)
+    dw = jax.lax.dot_general(lhs, g, ((batch, batch), ((), ())), precision=precision)
+    return dx.astype(lhs.dtype), dw.astype(wide)
+
+
+_float32_kernel_dot.defvjp(_float32_kernel_dot_fwd, _float32_kernel_dot_bwd)
+
+
+def float32_kernel_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """Dense's dot on the float32 kernel itself: the input promoted, the product accumulated and rounded
+    back to the input's dtype. For the per-sample modulation GEMM (M = batch rows against 27% of the
+    block shape's parameters), which ``compute_dtype_dot`` makes write, save and read a 16-bit copy of its
+    kernel; here the forward and the input gradient read the float32 kernel once each and nothing is saved
+    but the input. The kernel gradient is the 16-bit dot's: the input times the output gradient, in the
+    input's dtype."""
+    contract = ((lhs.ndim - 1,), (0,))
+    if tuple(map(tuple, dimension_numbers[0])) != contract or any(dimension_numbers[1]) or rhs.ndim != 2:
+        raise ValueError(f"float32_kernel_dot is Dense's (..., K) x (K, N) dot; got {dimension_numbers}.")
+    if preferred_element_type is not None and preferred_element_type != lhs.dtype:
+        raise ValueError("float32_kernel_dot returns the input's dtype; preferred_element_type must be None.")
+    return _float32_kernel_dot(lhs, rhs, (contract, ((), ())), precision)

@@ -11,8 +11,10 @@ from conftest import norm_then_rope
 from flux_jax.math import (
     apply_rope,
     attention,
+    compute_dtype_dot,
     embed_nd,
     flash_attention,
+    float32_kernel_dot,
     rms_norm_rope,
     rope,
     timestep_embedding,
@@ -178,3 +180,30 @@ def test_pallas_flash_attention_on_gpu_matches_xla(length):
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_float32_kernel_dot_reads_the_float32_kernel_and_keeps_the_16_bit_kernel_gradient():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(4, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 96)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(4, 1, 96)), jnp.bfloat16)
+    dn = (((2,), (0,)), ((), ()))
+
+    def run(dot):
+        out, vjp = jax.vjp(lambda x, w: dot(x, w, dn), x, w)
+        return [np.asarray(a, np.float64) for a in (out, *vjp(g.astype(out.dtype)))], out.dtype
+
+    (out, dx, dw), dtype = run(float32_kernel_dot)
+    (out16, dx16, dw16), dtype16 = run(compute_dtype_dot)
+    (out32, dx32, _), _ = run(
+        lambda x, w, dn: jax.lax.dot_general(x.astype(w.dtype), w, dn, precision="highest")
+    )
+    assert dtype == dtype16 == jnp.bfloat16
+    np.testing.assert_array_equal(dw, dw16)  # the kernel gradient: x^T g in bf16, as the 16-bit dot's
+    # Output and input gradient: the float32 product rounded once, so within one bf16 rounding of the
+    # float32 reference and closer to it than the product of the bf16-rounded kernel.
+    for got, bf16_copy, want in ((out, out16, out32), (dx, dx16, dx32)):
+        np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
+        assert np.linalg.norm(got - want) < np.linalg.norm(bf16_copy - want)
+    with pytest.raises(ValueError, match="float32_kernel_dot"):
+        float32_kernel_dot(x, w, (((1,), (0,)), ((), ())))
