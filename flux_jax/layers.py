@@ -177,15 +177,9 @@ class Modulation(nn.Module):
     @nn.compact
     def __call__(self, vec: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
         n = 6 if self.double else 3
+        dg = self.dot_general_cls
         lin = dense(
-            n * self.dim,
-            ("embed", "mod"),
-            "lin",
-            self.dtype,
-            self.dot_general_cls,
-            zeros,
-            True,
-            float32_kernel_dot,
+            n * self.dim, ("embed", "mod"), "lin", self.dtype, dg, zeros, dot_general=float32_kernel_dot
         )
         out = lin(nn.silu(vec))
         chunks = jnp.split(out[:, None, :], n, axis=-1)

@@ -88,11 +88,12 @@ def rms_norm_rope(x: jax.Array, scale: jax.Array, pe: jax.Array, dtype: Any) -> 
     """RMSNorm of the head dim (float32 math, rounded to x's dtype, times ``scale``), cast to ``dtype``,
     then RoPE (apply_rope): (B, L, H, D) -> (B, L, H, D) in ``dtype``.
 
-    Bit-equal to ``apply_rope((rms_norm(x) * scale).astype(dtype), pe)`` (the same ops in the same
-    order). The backward keeps only x, scale, pe and one float32 per row (the mean square), where
-    autodiff of that composition keeps float32 copies of x, of the normed and of the rotated input;
-    it is their analytic gradient with autodiff's roundings (to ``dtype`` after RoPE's transpose, to
-    x's dtype after the scale), and it reduces over the row only for the sum RMSNorm's gradient needs.
+    Bit-equal to the RMSNorm-then-``apply_rope`` composition it replaces (the same ops in the same
+    order; ``norm_then_rope`` in tests/conftest.py). The backward keeps only x, scale, pe and one
+    float32 per row (the mean square + eps), where autodiff of that composition keeps float32 copies
+    of x and of the normed x. It is their analytic gradient with autodiff's roundings (to ``dtype``
+    after RoPE's transpose, to x's dtype after the scale), and it reduces over the row only for the
+    sum RMSNorm's gradient needs.
     """
     return _rms_norm_rope_fwd(x, scale, pe, dtype)[0]
 
