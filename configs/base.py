@@ -55,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.adam_beta1 = 0.9  # AdamW beta1
     c.adam_beta2 = 0.999  # AdamW beta2
     c.adam_eps = 1e-8  # AdamW epsilon
-    c.adam_moments_dtype = "float32"  # AdamW moments: "float32" | "bfloat16" (half their bytes; opt-in)
+    c.adam_moments_dtype = "float32"  # AdamW moments: "float32" | "bfloat16" (stochastic rounding)
     c.clip_grad = 1.0  # global-norm gradient clipping (0 disables)
 
     c.save_interval = 500  # steps between checkpoints (and one at the end)

@@ -1,21 +1,29 @@
 """Platform-bound config choices: ``"auto"`` resolved against the device at start-up, explicit ones checked.
 
 ``model.attention``: "cudnn" on NVIDIA (16-bit compute, a head dim cuDNN takes); on ROCm
-``ROCM_ATTENTION``, the fastest portable choice measured (benchmarks/RESULTS.md); "xla" elsewhere.
+``ROCM_ATTENTION``, the fastest portable choice measured (benchmarks/RESULTS.md), if it compiles there;
+"xla" elsewhere.
 ``fp8_cast_kernel``: "triton" (the jax-triton cast) on NVIDIA with jax-triton installed, "xla" elsewhere;
 on ROCm "xla" until the Triton cast has run on an AMD GPU. ``fp8_format_family``: "fnuz" on gfx94x
 (MI300X/MI325X), "ocp" elsewhere. ``resolve`` writes the resolved values into the config, so they are
 what the run logs and saves in config.json.
 """
 
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
 from flux_jax import fp8
-from flux_jax.math import IMPLEMENTATIONS
+from flux_jax.math import IMPLEMENTATIONS, flash_attention
 
 ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
-# ROCm takes JAX's Pallas flash attention only once it is measured faster than XLA's attention
-# (benchmarks/attention.py; benchmarks/RESULTS.md, "Attention kernels"); until then XLA. "pallas" stays
-# selectable with --config.model.attention=pallas.
-ROCM_ATTENTION = "xla"
+# ROCm takes JAX's Pallas (Triton) flash attention: forward + backward 2.3x faster than XLA's attention at
+# the block shape and 2.2x at 1024 px on an H100 (benchmarks/attention.py; benchmarks/RESULTS.md, "Attention
+# kernels"). It has not run on an AMD GPU, so ``resolve`` compiles it once on the device first and falls
+# back to XLA, with a warning naming the error, if that fails.
+ROCM_ATTENTION = "pallas"
 GPU_PLATFORMS = ("cuda", "rocm")
 
 
@@ -55,11 +63,33 @@ def attention_for(config, flux_params, desc: fp8.DeviceDescription | None = None
     return auto_attention(desc or fp8.describe_device(), head_dim, config.model.dtype)
 
 
+@functools.cache
+def pallas_error() -> str | None:
+    """Why JAX's Pallas flash attention does not compile and run on this device (forward and backward of a
+    tiny problem), or None. Only asked on a GPU, where ``auto`` would pick it without having run there."""
+    try:
+        q = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
+        jax.block_until_ready(jax.grad(lambda q: flash_attention(q, q, q).astype(jnp.float32).sum())(q))
+    except Exception as e:  # noqa: BLE001 - any failure means: do not pick it automatically
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def resolve(config, flux_params, desc: fp8.DeviceDescription | None = None) -> dict[str, str]:
     """Replaces each ``"auto"`` platform choice of ``config`` by its value on ``desc`` (this device by
     default); returns the resolved values {dotted field: value}."""
     desc = desc or fp8.describe_device()
+    auto = config.model.attention == "auto"
     config.model.attention = attention_for(config, flux_params, desc)
+    if auto and config.model.attention == "pallas" and jax.default_backend() != "cpu":
+        error = pallas_error()
+        if error:
+            warnings.warn(
+                f"model.attention=auto: the Pallas flash attention does not run on this GPU ({error}); "
+                "using XLA attention instead. --config.model.attention=pallas makes this an error.",
+                stacklevel=2,
+            )
+            config.model.attention = "xla"
     if config.get("fp8_cast_kernel", "xla") == "auto":
         config.fp8_cast_kernel = fp8.resolve_cast_kernel("auto", desc)
     if config.get("fp8_format_family", "auto") == "auto":

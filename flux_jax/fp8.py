@@ -334,21 +334,32 @@ def merge_states(a, b):
     return jax.tree.map(jnp.maximum, a, b)
 
 
-def _leaves_named(tree, suffix):
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [v for path, v in flat if str(getattr(path[-1], "key", path[-1])).endswith(suffix)]
+def _recorded_scales(tree) -> list[np.ndarray]:
+    """The scales of the dots that have recorded an amax: a held BF16 layer's (``first_last_layers_bf16``)
+    keep their initial 1.0 and an all-zero history, and would otherwise show in the summary. Scanned
+    entries (a leading layer axis) are filtered layer by layer."""
+    found = []
+    if not isinstance(tree, Mapping):
+        return found
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            found += _recorded_scales(value)
+        elif str(key).endswith("_scale") and f"{str(key)[: -len('_scale')]}_amax_history" in tree:
+            history = np.asarray(tree[f"{str(key)[: -len('_scale')]}_amax_history"])
+            scale = np.asarray(value)
+            found.append(scale[np.max(history, axis=-1) > 0])
+    return [s for s in found if s.size]
 
 
 def summarize(fp8_meta: Mapping) -> dict[str, float]:
-    """Scalars for logging: smallest/largest scale and the largest recorded amax."""
-    scales = _leaves_named(fp8_meta, "_scale")
-    hists = _leaves_named(fp8_meta, "_amax_history")
+    """Scalars for logging: smallest/largest scale of the dots that recorded an amax, largest amax."""
+    scales = _recorded_scales(fp8_meta)
     if not scales:
         return {}
-    out = {
-        "scale_min": float(min(np.min(np.asarray(s)) for s in scales)),
-        "scale_max": float(max(np.max(np.asarray(s)) for s in scales)),
+    flat = jax.tree_util.tree_flatten_with_path(fp8_meta)[0]
+    hists = [v for path, v in flat if str(getattr(path[-1], "key", path[-1])).endswith("_amax_history")]
+    return {
+        "scale_min": float(min(np.min(s) for s in scales)),
+        "scale_max": float(max(np.max(s) for s in scales)),
+        "amax_max": float(max(np.max(np.asarray(h)) for h in hists)),
     }
-    if hists:
-        out["amax_max"] = float(max(np.max(np.asarray(h)) for h in hists))
-    return out

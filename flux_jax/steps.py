@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flux_jax import choices, flow, fp8, model
+from flux_jax import choices, flow, fp8, model, optim
 
 
 def make_model(config, fp: model.FluxParams, use_fp8: bool) -> model.Flux:
@@ -38,8 +38,24 @@ def forward(net, params, fp8_meta, batch, t, x_t, guidance_scale, fp8_weights=No
     )
 
 
+def split_micro_batches(batch: dict, num_micro: int, micro_batch_size: int) -> dict:
+    """(B, ...) arrays -> (num_micro, B / num_micro, ...) micro batches. Each device keeps its own
+    rows: row block d of the global batch is device d's shard, so micro batch k takes rows
+    k*mb..(k+1)*mb of every block."""
+
+    def split(x):
+        dp = x.shape[0] // (num_micro * micro_batch_size)
+        x = x.reshape((dp, num_micro, micro_batch_size) + x.shape[1:])
+        return x.swapaxes(0, 1).reshape((num_micro, dp * micro_batch_size) + x.shape[3:])
+
+    return jax.tree.map(split, batch)
+
+
 def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, num_micro: int, use_fp8: bool):
     """(state, batch) -> (state, metrics). Gradient accumulation scans over num_micro micro batches.
+
+    The metrics are the loss, the gradient norm, whether both were finite and the step's scheduled
+    learning rate (``optim.lr_schedule`` at the step count), so logging needs no computation of its own.
 
     A step with a non-finite loss or gradient norm leaves params, opt_state and fp8_meta untouched.
     With accumulation and ``config.fp8_cache_weights``, each FP8 kernel is cast once per step, not
@@ -47,6 +63,7 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
     """
     cache_weights = use_fp8 and num_micro > 1 and bool(config.get("fp8_cache_weights", True))
     spec = fp8.spec_from_config(config) if cache_weights else None
+    schedule = optim.lr_schedule(config)
 
     def loss_fn(params, fp8_meta, batch, fp8_weights):
         x_t, target = flow.noise(batch["img"], batch["eps"], batch["t"])
@@ -80,13 +97,6 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
         if num_micro == 1:
             loss, grads, new_meta = micro_grads(params, fp8_meta, batch)
         else:
-            # Each device keeps its own rows: row block d of the global batch is device d's shard,
-            # so micro batch k takes rows k*mb..(k+1)*mb of every block.
-            def split(x):
-                dp = x.shape[0] // (num_micro * config.micro_batch_size)
-                x = x.reshape((dp, num_micro, config.micro_batch_size) + x.shape[1:])
-                return x.swapaxes(0, 1).reshape((num_micro, dp * config.micro_batch_size) + x.shape[3:])
-
             weights = fp8.cast_kernels(params, fp8_meta, spec, net.dtype) if cache_weights else None
 
             def body(carry, inputs):
@@ -100,7 +110,7 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
             if use_fp8:
                 # Start below any real amax so the merge keeps only this step's values.
                 init = (init[0], zeros, jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), fp8_meta))
-            micro_batches = jax.tree.map(split, batch)
+            micro_batches = split_micro_batches(batch, num_micro, config.micro_batch_size)
             (loss, grads, new_meta), _ = jax.lax.scan(body, init, micro_batches)
             loss = loss / num_micro
             grads = jax.tree.map(lambda g: g / num_micro, grads)
@@ -119,19 +129,42 @@ def make_train_step(config, net: model.Flux, tx: optax.GradientTransformation, n
             "fp8_meta": keep(new_meta, fp8_meta) if use_fp8 else fp8_meta,
             "rng": state["rng"],
         }
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        lr = schedule(state["step"])
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "lr": lr}
 
     return step
 
 
-def make_eval_step(config, net: model.Flux, use_fp8: bool):
-    """(params, fp8_meta, batch, rng) -> (8,) loss sums and counts per validation timestep."""
+def make_eval_step(config, net: model.Flux, num_micro: int, use_fp8: bool):
+    """(params, fp8_meta, batch, rng, index, totals) -> (totals, loss, per_timestep_loss).
 
-    def step(params, fp8_meta, batch, rng):
+    ``totals`` = ((8,) loss sums, (8,) counts) per validation timestep over the pass so far (zeros
+    before its first batch); the noise of batch ``index`` is drawn from ``fold_in(rng, index)``. The
+    returned loss and (8,) per-timestep losses are ``flow.validation_loss`` of the new totals, so a
+    pass reads two small arrays after its last batch and runs nothing else.
+
+    The forward runs over the train step's micro batches (``num_micro`` of ``micro_batch_size`` rows
+    per data-parallel replica), so its GEMMs have the shapes the train step's forward has and the
+    compiler meets them again (GPU autotuning results are reused) instead of tuning a second set.
+    """
+
+    def body(params, fp8_meta, totals, mb):
+        x_t, target = flow.noise(mb["img"], mb["eps"], mb["t"])
+        pred = forward(net, params, fp8_meta if use_fp8 else {}, mb, mb["t"], x_t, config.guidance_scale)
+        sums, counts = flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), mb["timestep"])
+        return (totals[0] + sums, totals[1] + counts)
+
+    def step(params, fp8_meta, batch, rng, index, totals):
         x0 = batch["img"]
-        t = flow.validation_timesteps(batch["timestep"])
-        x_t, target = flow.noise(x0, jax.random.normal(rng, x0.shape, x0.dtype), t)
-        pred = forward(net, params, fp8_meta if use_fp8 else {}, batch, t, x_t, config.guidance_scale)
-        return flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
+        eps = jax.random.normal(jax.random.fold_in(rng, index), x0.shape, x0.dtype)
+        batch = batch | {"t": flow.validation_timesteps(batch["timestep"]), "eps": eps}
+        if num_micro == 1:
+            totals = body(params, fp8_meta, totals, batch)
+        else:
+            micro_batches = split_micro_batches(batch, num_micro, config.micro_batch_size)
+            totals, _ = jax.lax.scan(
+                lambda tot, mb: (body(params, fp8_meta, tot, mb), None), totals, micro_batches
+            )
+        return (totals, *flow.validation_loss(*totals))
 
     return step

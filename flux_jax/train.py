@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flux_jax import (
+    aot,
     checkpoint,
     choices,
     cli,
@@ -26,14 +27,12 @@ from flux_jax import (
     config_cli,
     console,
     distributed,
-    flow,
     fp8,
+    latents,
     metrics,
-    optim,
     preemption,
     setup,
     sharding,
-    steps,
 )
 from flux_jax.errors import UserError
 
@@ -91,14 +90,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # ---- Mesh, model (+ FP8 policy), optimizer: flux_jax.setup --------------------------------
     run = setup.build(config)
     fp, mesh, rules, use_fp8 = run.fp, run.mesh, run.rules, run.use_fp8
-    schedule = optim.lr_schedule(config)
-    batch_sh = sharding.batch_sharding(mesh)
 
     # ---- Data ---------------------------------------------------------------------------------
     train_iter = setup.make_pipeline(config, "train", fp=fp)
+    val_spec = None  # the global validation batch the eval step is compiled for
     if config.eval_interval:
         with _closing_pipeline(setup.make_pipeline(config, "val", fp=fp)) as val_iter:
-            next(val_iter)  # a bad validation set fails before compiling
+            # A bad validation set fails before compiling.
+            val_spec = aot.abstract_like(_to_global(next(val_iter), mesh)[1])
 
     # ---- State: the newest checkpoint, else a sharded init ------------------------------------
     abstract, state_shardings = setup.abstract_state(run)
@@ -112,27 +111,28 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         fresh = setup.fresh_fp8_meta(run, state_shardings)
         state, data_state = ckpt.restore(start, abstract, train_iter.get_state(), fresh_fp8_meta=fresh)
         train_iter.set_state(data_state)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     log.info("%s", console.start_line(config, workdir, mesh, n_params, use_fp8, start))
     choices_line = ", ".join(f"{field}={value}" for field, value in resolved.items())
     log.info("Platform %s %s: %s", desc.platform, desc.device_kind, choices_line)
 
-    # ---- Step functions -----------------------------------------------------------------------
-    def compile_steps(fp8_on: bool):
-        step_net = run.model_for(fp8_on)
-        train = jax.jit(
-            steps.make_train_step(config, step_net, run.tx, run.num_micro, fp8_on),
-            in_shardings=(state_shardings, batch_sh),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=0,
-        )
-        evaluate = jax.jit(steps.make_eval_step(config, step_net, fp8_on))
-        return train, evaluate
+    # ---- Step functions, compiled before the loop ---------------------------------------------
+    first = int(state["step"])
+    # The first batch is drawn before the loop: the train step is compiled for its shapes.
+    upcoming = [_to_global(next(train_iter), mesh)] if first < config.train_iters else []
+    context = lambda: _compile_context(mesh, rules)  # noqa: E731
+    eval_zeros = (np.zeros(latents.NUM_VAL_TIMESTEPS, np.float32),) * 2  # the totals of no batch
 
-    train_step, eval_step = compile_steps(use_fp8)
+    def compile_steps(fp8_on: bool, train_spec: tuple):
+        return aot.compile_steps(run, state_shardings, fp8_on, train_spec, val_spec, eval_rng_spec, context)
+
+    eval_rng_spec = jax.ShapeDtypeStruct(eval_rng.shape, eval_rng.dtype)
+    train_spec = aot.abstract_like((state, upcoming[0][1])) if upcoming else None
+    train_step = eval_step = None  # compiled when the loop starts, under the preemption guard
     flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])
     writer = metrics.MetricWriter(workdir, enabled=is_main, resume_step=start or 0)
     ids_log = metrics.IdsLog(workdir, jax.process_index(), enabled=bool(config.data.get("log_ids", False)))
+
+    watch = aot.CompileWatch()  # the loop runs programs compiled before it; this tells when it compiles
 
     def save(step: int, force: bool = False) -> None:
         """Checkpoints ``step`` when due (always with force), once every process agrees on the
@@ -142,26 +142,29 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         data_state = train_iter.get_state()
         agreed = {"step": state["step"], "fp8_meta": state["fp8_meta"]}
         agreed["data"] = np.frombuffer(json.dumps(data_state, sort_keys=True).encode(), np.uint8)
-        distributed.check_replicas_agree(agreed, f"the train state at step {step}")
-        ckpt.save(step, state, data_state, force=force)
+        with watch.during(f"the checkpoint save after step {step}"):
+            distributed.check_replicas_agree(agreed, f"the train state at step {step}")
+            ckpt.save(step, state, data_state, force=force)
 
     def run_eval(step: int) -> float:
-        sums = counts = 0.0
-        with _closing_pipeline(setup.make_pipeline(config, "val", fp=fp)) as val_iter:
+        t0, totals = time.perf_counter(), eval_zeros
+        val_iter = setup.make_pipeline(config, "val", fp=fp)
+        with watch.during(f"validation after step {step}"), _closing_pipeline(val_iter):
+            evaluate = eval_step.get()  # the background compile, done by now unless validation comes early
             for i in range(config.eval_iters):
                 _, batch = _to_global(next(val_iter), mesh)
-                s, c = eval_step(state["params"], state["fp8_meta"], batch, jax.random.fold_in(eval_rng, i))
-                sums, counts = sums + s, counts + c
-        val, per_t = flow.validation_loss(sums, counts)
+                args = (state["params"], state["fp8_meta"], batch, eval_rng, np.int32(i), totals)
+                totals, val, per_t = evaluate(*args)
+        val, per_t = jax.device_get((val, per_t))
         values = {"loss": float(val)} | {f"loss_t{k}": float(v) for k, v in enumerate(per_t)}
         writer.write(step, values, prefix="val")
-        log.info("step %d: validation loss %.4f", step, float(val))
+        log.info("step %d: validation loss %.4f (%.1f s)", step, float(val), time.perf_counter() - t0)
         return float(val)
 
     def log_train(step: int, m) -> float:
         losses, steps_s = progress.interval(step)
         values = _train_values(m, losses, steps_s, config.global_batch_size, flops, use_fp8)
-        values |= {"lr": float(schedule(step - 1)), "nonfinite_skipped": progress.skipped}
+        values |= {"lr": float(m["lr"]), "nonfinite_skipped": progress.skipped}
         if use_fp8:
             values |= fp8.summarize(jax.device_get(state["fp8_meta"]))
         writer.write(step, values)
@@ -172,7 +175,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         return values["loss"]
 
     # ---- Train loop ---------------------------------------------------------------------------
-    first = int(state["step"])
     result = {"train_loss": None, "val_loss": None, "fp8": use_fp8, "preempted": False, "signal": None}
     if first >= config.train_iters:
         log.info("%s", console.finished_message(workdir, first, config.train_iters))
@@ -188,13 +190,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     finish.callback(_close_pipeline, train_iter)
     for closable in (writer, ids_log, ckpt, bar):
         finish.callback(closable.close)
+    # A run that ends before the eval step's compile does waits for it here, not at interpreter exit.
+    finish.callback(lambda: eval_step and eval_step.wait())
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
-    with guard, finish, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with guard, finish, watch, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        if upcoming:
+            with watch.expected():
+                train_step, eval_step = compile_steps(use_fp8, train_spec)
         for step in range(first, config.train_iters):
-            ids, batch = _to_global(next(train_iter), mesh)
+            ids, batch = upcoming.pop() if upcoming else _to_global(next(train_iter), mesh)
             state, m = train_step(state, batch)
             done = step + 1
+            watch.where = f"step {done}"
             ids_log.write(done, ids)
             last = done == config.train_iters
             evaluate = bool(config.eval_interval) and (done % config.eval_interval == 0 or last)
@@ -210,10 +218,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                         raise progress.error(d)
                     log.warning("Non-finite steps %s under FP8: switching to BF16.", progress.streak(d, "-"))
                     use_fp8, progress.consecutive = False, 0
-                    train_step, eval_step = compile_steps(False)
+                    with watch.expected():
+                        train_step, eval_step = compile_steps(False, train_spec)
                 if d % config.log_interval == 0 or d == config.train_iters:
                     result["train_loss"] = log_train(d, md)
             bar.update(1)
+            if due and eval_step is not None:
+                eval_step.raise_if_failed()
             save(done, force=preempted or last)
             if preempted:
                 result["preempted"], result["signal"] = True, guard.signum
@@ -226,10 +237,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     save(done, force=True)
                     break
     result |= {"steps": int(state["step"]), "nonfinite_skipped": progress.skipped, "fp8": use_fp8}
-    result |= {"params": n_params, "seconds": time.perf_counter() - t_start}
+    result |= {"params": n_params, "seconds": time.perf_counter() - t_start, "loop_compiles": watch.compiles}
+    if watch.compiles:
+        log.warning("XLA compiled inside the train loop: %s.", watch.summary())
     if first < config.train_iters:
         log.info("%s", console.end_summary(result, first, workdir, ckpt.latest_step()))
     return result
+
+
+@contextlib.contextmanager
+def _compile_context(mesh, rules):
+    """What the steps are traced under: the mesh and the logical-axis rules (both per thread)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
 
 
 def _close_pipeline(iterator) -> None:

@@ -105,3 +105,29 @@ def test_train_writes_the_resolved_choices_to_config_json(tiny_config, tmp_path)
     assert saved["model"]["attention"] == choices.auto_attention(desc, head_dim, "float32") != "auto"
     assert saved["fp8_cast_kernel"] == fp8.resolve_cast_kernel("auto", desc) != "auto"
     assert saved["fp8_format_family"] == fp8.format_family(desc) != "auto"
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_auto_pallas_on_a_gpu_falls_back_to_xla_only_if_it_does_not_run(monkeypatch, compiles):
+    """On a GPU, auto picks Pallas on ROCm only after compiling it there; a failure is a warning naming it."""
+    monkeypatch.setattr(choices.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(choices, "pallas_error", lambda: None if compiles else "LoweringError: no gfx942")
+    config = importlib.import_module("configs.flux_535m").get_config(None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        resolved = choices.resolve(config, setup.flux_params(config), PLATFORMS["mi300x"])
+    assert resolved["model.attention"] == ("pallas" if compiles else "xla")
+    messages = [str(w.message) for w in seen if "Pallas flash attention" in str(w.message)]
+    assert bool(messages) is not compiles
+    assert compiles or "LoweringError: no gfx942" in messages[0]
+    # An explicit choice is never replaced.
+    config.model.attention = "pallas"
+    again = choices.resolve(config, setup.flux_params(config), PLATFORMS["mi300x"])
+    assert again["model.attention"] == "pallas"
+
+
+def test_pallas_probe_runs_here():
+    """The probe itself: the Pallas attention's forward and backward run on this backend (the CPU interpreter
+    here; the device in GPU runs)."""
+    choices.pallas_error.cache_clear()
+    assert choices.pallas_error() is None

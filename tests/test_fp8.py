@@ -324,6 +324,11 @@ def test_summarize():
         "b": {"kernel_scale": jnp.float32(2.0), "kernel_amax_history": jnp.array([0.0, 7.0])},
     }
     assert fp8.summarize(meta) == {"scale_min": 0.5, "scale_max": 2.0, "amax_max": 7.0}
+    # A held BF16 layer (scale 1, nothing recorded) and the held layers of a scanned stack stay out.
+    meta["held"] = {"input_scale": jnp.float32(1e-3), "input_amax_history": jnp.zeros(2)}
+    meta["scan"] = {"input_scale": jnp.array([4.0, 9.0]), "input_amax_history": jnp.array([[1.0, 0], [0, 0]])}
+    assert fp8.summarize(meta) == {"scale_min": 0.5, "scale_max": 4.0, "amax_max": 7.0}
+    assert fp8.summarize({"held": meta["held"]}) == {}
 
 
 def test_double_stream_block_fp8_close_to_bf16():

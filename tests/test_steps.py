@@ -36,6 +36,30 @@ def _state(params, tx):
     }
 
 
+def test_eval_over_micro_batches_matches_one_batch(tiny_config):
+    # The eval step runs the forward over the train step's micro batches: the same per-timestep sums
+    # and counts as one forward over the whole batch, accumulated across calls.
+    config = tiny_config()
+    net, params, batch = _step_setup(config, 8)
+    batch = batch | {"timestep": jnp.arange(8, dtype=jnp.int32) % 8}
+    whole = jax.jit(steps.make_eval_step(config, net, num_micro=1, use_fp8=False))
+    config.micro_batch_size = 2
+    micro = jax.jit(steps.make_eval_step(config, net, num_micro=4, use_fp8=False))
+    zeros = (jnp.zeros(8), jnp.zeros(8))
+    rng = jax.random.key(3)
+    (t1, loss1, per1), (t4, loss4, per4) = (f(params, {}, batch, rng, 0, zeros) for f in (whole, micro))
+    np.testing.assert_allclose(t1[0], t4[0], rtol=1e-5)
+    np.testing.assert_array_equal(t1[1], np.ones(8))
+    np.testing.assert_array_equal(t4[1], np.ones(8))
+    np.testing.assert_allclose(loss1, loss4, rtol=1e-5)
+    np.testing.assert_allclose(per1, per4, rtol=1e-5)
+    assert float(loss1) > 0
+    # A second batch adds to the totals; its noise comes from fold_in(rng, 1), not the first batch's.
+    t2, loss2, _ = micro(params, {}, batch, rng, 1, t4)
+    np.testing.assert_array_equal(t2[1], 2 * np.ones(8))
+    assert not np.allclose(t2[0], 2 * t4[0])
+
+
 def test_gradient_accumulation_matches_large_batch_and_nonfinite_skips(tiny_config):
     config = tiny_config()
     net, params, batch = _step_setup(config, 8)

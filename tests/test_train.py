@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +203,68 @@ def test_validation_fields_steer_the_loop(tiny_config, tmp_path, monkeypatch):
     assert drawn.count("val") == 1 + 3  # the start-up check, then eval_iters batches
     assert [x["step"] for x in _lines(str(tmp_path)) if x["split"] == "val"] == [2]
     assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
+
+
+def test_steps_compile_at_start_up_and_the_loop_compiles_nothing(tiny_config, tmp_path, caplog):
+    # Logging, checkpoints and two validation passes (the first one at step 2, right after start-up)
+    # run programs compiled before the first step: no XLA compile happens on the loop's thread.
+    config = tiny_config(train_iters=4, eval_interval=2, eval_iters=2, save_interval=2, log_interval=1)
+    with caplog.at_level("INFO", logger="flux_jax.train"):
+        result = train.train_and_evaluate(config, str(tmp_path))
+    assert result["steps"] == 4 and np.isfinite(result["val_loss"])
+    # On this 8-device mesh Orbax's replica-parallel save slices each replicated array once per shape
+    # at the first checkpoint (jit(slice)); steps, logging and validation compile nothing.
+    assert {c.where for c in result["loop_compiles"]} <= {"the checkpoint save after step 2"}
+    assert {c.name for c in result["loop_compiles"]} <= {"jit(slice)"}
+    assert "Compiled the train step in" in caplog.text
+    assert "Compiled the eval step (in the background) in" in caplog.text
+    assert "step 2: validation loss" in caplog.text and "step 4: validation loss" in caplog.text
+    # The logged learning rate is the schedule's at the step count, as the optimizer applies it.
+    lrs = [x["lr"] for x in _lines(str(tmp_path)) if x["split"] == "train"]
+    np.testing.assert_allclose(lrs, [float(optim.lr_schedule(config)(s)) for s in range(4)], rtol=1e-6)
+
+
+def test_train_command_compiles_before_the_loop_and_validates_without_compiling(tmp_path):
+    # The real command, FP8, one CPU device: the start-up log names both compiles and the loop
+    # (steps, logs, two checkpoints, two validation passes) compiles nothing.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = os.environ | {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    overrides = "model.preset=tiny data.image_size=32 data.txt_len=4 micro_batch_size=1 global_batch_size=2"
+    overrides += " train_iters=4 eval_interval=2 eval_iters=2 save_interval=2 log_interval=1"
+    cmd = [sys.executable, "-m", "flux_jax.train", "--config", "configs/toy.py:fp8", "--workdir"]
+    cmd += [str(tmp_path), *(f"--config.{o}" for o in overrides.split())]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Compiled the FP8 train step in" in proc.stderr
+    assert "Compiled the FP8 eval step (in the background) in" in proc.stderr
+    assert "step 2: validation loss" in proc.stderr and "step 4: validation loss" in proc.stderr
+    assert "XLA compiled inside the train loop" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_validation_matches_the_eager_formula(tiny_config, tmp_path):
+    # The compiled pass equals the per-batch loss of the eager forward at t = k / 8 with
+    # fold_in(eval_rng, i) noise, averaged per timestep: the accumulation moved into the step.
+    from flux_jax import checkpoint, flow, sharding, steps
+
+    config = tiny_config(train_iters=1, eval_interval=1, eval_iters=2, save_interval=1)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    run = setup.build(config)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), config)
+    state, _ = ckpt.restore(1, setup.abstract_state(run)[0])
+    ckpt.close()
+    eval_rng = jax.random.split(jax.random.key(config.seed), 3)[2]
+    sums = counts = 0.0
+    val_iter = setup.make_pipeline(config, "val")
+    for i in range(config.eval_iters):
+        batch = {k: v for k, v in next(val_iter).items() if k != "id"}
+        batch = sharding.host_local_batch_to_global(batch, run.mesh)
+        x0 = batch["img"]
+        t = flow.validation_timesteps(batch["timestep"])
+        x_t, target = flow.noise(x0, jax.random.normal(jax.random.fold_in(eval_rng, i), x0.shape), t)
+        pred = steps.forward(run.net, state["params"], {}, batch, t, x_t, config.guidance_scale)
+        s, c = flow.accumulate_by_timestep(flow.per_sample_loss(pred, target), batch["timestep"])
+        sums, counts = sums + s, counts + c
+    np.testing.assert_allclose(result["val_loss"], float(flow.validation_loss(sums, counts)[0]), rtol=1e-5)
 
 
 def test_lr_schedule_and_decay_mask(tiny_config):
