@@ -6,7 +6,7 @@ use_fp8=True)``: q, k, v, the output gradient, the output and dq, dk, dv are all
 per-tensor scales, and cuDNN reports the amax of the output and of each gradient it writes.
 
 Scaling, per call site (one per block):
-- q, k, v: current scaling (their amax, then the cast; the amax fuses with RoPE).
+- q, k, v: current scaling (their amax, then the cast).
 - the softmax P (in [0, 1]): the fixed scale 1 / fp8 max, exact.
 - the output O: each row is a convex combination of V's rows, so |O| <= amax(v): v's scale, exact.
 - dO, dq, dk, dv and dP (the gradient of P): delayed scaling from an amax history in ``fp8_meta``,
@@ -163,8 +163,9 @@ class Fp8Attention(nn.Module):
     kernel: object = None  # None: cudnn_fp8_attention
 
     @nn.compact
-    def __call__(self, q, k, v, pe):
-        q, k = apply_rope(q, pe), apply_rope(k, pe)
+    def __call__(self, q, k, v, pe=None):
+        if pe is not None:  # None: q and k come rotated (the blocks' QKNorm applies RoPE)
+            q, k = apply_rope(q, pe), apply_rope(k, pe)
         check_shape(q.shape, k.shape)
         meta = scaling_state(self, GRAD_OPERANDS, self.spec.amax_history_len)
         max_grad = all(x.dtype == MAX_GRAD_DTYPE for x in meta.values())

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flux_jax.fp8_attention import Fp8Attention
 from flux_jax.fp8_dot import Fp8Spec
-from flux_jax.math import attention, compute_dtype_dot
+from flux_jax.math import attention, compute_dtype_dot, float32_kernel_dot, rms_norm_rope
 from flux_jax.sharding import constrain
 
 DotGeneralFactory = Callable[[], nn.Module] | None
@@ -65,6 +65,7 @@ class Dense(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     kernel_init: Init = xavier
     use_bias: bool = True
+    dot_general: Callable = compute_dtype_dot
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -78,7 +79,7 @@ class Dense(nn.Module):
             bias_init = nn.with_logical_partitioning(zeros, self.axes[n_in:])
             bias = self.param("bias", bias_init, self.features, jnp.float32)
         inputs, kernel, bias = promote_all_but_kernel(inputs, kernel, bias, dtype=self.dtype)
-        dot_general = self.dot_general_cls() if self.dot_general_cls is not None else compute_dtype_dot
+        dot_general = self.dot_general_cls() if self.dot_general_cls is not None else self.dot_general
         contract = (tuple(range(inputs.ndim - n_in, inputs.ndim)), tuple(range(n_in)))
         y = dot_general(inputs, kernel, (contract, ((), ())), precision=None)
         if bias is not None:
@@ -104,13 +105,15 @@ def dense(
     dot_general_cls: DotGeneralFactory,
     kernel_init: Init = xavier,
     use_bias: bool = True,
+    dot_general: Callable = compute_dtype_dot,
 ) -> nn.Module:
     """Dense with logically partitioned float32 params; a zero kernel_init also zeros the bias.
 
     ``axes`` names the kernel's axes: the contracted trailing input axes, then ``features``.
+    ``dot_general`` is the 16-bit dot, used when ``dot_general_cls`` is None.
     """
     features = (features,) if isinstance(features, int) else tuple(features)
-    return Dense(features, tuple(axes), dtype, dot_general_cls, kernel_init, use_bias, name=name)
+    return Dense(features, tuple(axes), dtype, dot_general_cls, kernel_init, use_bias, dot_general, name=name)
 
 
 def fused_dense(
@@ -156,29 +159,26 @@ class MLPEmbedder(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation in float32, cast back to the input dtype, then times `scale`."""
+    """RMS normalisation in float32, cast back to the input dtype, times `scale`, cast to `dtype`, then
+    RoPE by `pe`: one `rms_norm_rope` (its backward keeps no float32 intermediates)."""
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, pe: jax.Array, dtype: Any) -> jax.Array:
         scale = self.param(
             "scale",
             nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
             (x.shape[-1],),
             jnp.float32,
         )
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return normed.astype(x.dtype) * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+        return rms_norm_rope(x, scale, pe, dtype)
 
 
 class QKNorm(nn.Module):
-    """Per-head RMSNorm of q and k; both come back in v's dtype."""
+    """Per-head RMSNorm and RoPE of q and k; both come back in v's dtype, rotated by `pe`."""
 
     @nn.compact
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        q = RMSNorm(name="query_norm")(q)
-        k = RMSNorm(name="key_norm")(k)
-        return q.astype(v.dtype), k.astype(v.dtype)
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array) -> tuple[jax.Array, ...]:
+        return RMSNorm(name="query_norm")(q, pe, v.dtype), RMSNorm(name="key_norm")(k, pe, v.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -197,10 +197,10 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm()
         self.proj = dense(self.dim, ("heads", "embed"), "proj", self.dtype, self.dot_general_cls)
 
-    def heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x (B, L, dim) -> normalised q, k and v, each (B, L, H, D)."""
+    def heads(self, x: jax.Array, pe: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B, L, dim) -> normalised and rotated q, k, and v, each (B, L, H, D); pe: x's tokens' RoPE."""
         q, k, v = split_heads(self.qkv(x), self.num_heads)
-        q, k = self.norm(q, k, v)
+        q, k = self.norm(q, k, v, pe)
         return q, k, v
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -208,7 +208,8 @@ class SelfAttention(nn.Module):
 
 
 class Modulation(nn.Module):
-    """lin(silu(vec)) split into (shift, scale, gate) once, or twice when `double`."""
+    """lin(silu(vec)) split into (shift, scale, gate) once, or twice when `double`. In 16 bits `lin` runs
+    on its float32 kernel (``float32_kernel_dot``): M is the batch, so the GEMM is the kernel's bytes."""
 
     dim: int
     double: bool
@@ -218,9 +219,17 @@ class Modulation(nn.Module):
     @nn.compact
     def __call__(self, vec: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
         n = 6 if self.double else 3
-        out = fused_dense(n, self.dim, "mod", "lin", self.dtype, self.dot_general_cls, kernel_init=zeros)(
-            nn.silu(vec)
+        lin = fused_dense(
+            n,
+            self.dim,
+            "mod",
+            "lin",
+            self.dtype,
+            self.dot_general_cls,
+            kernel_init=zeros,
+            dot_general=float32_kernel_dot,
         )
+        out = lin(nn.silu(vec))
         # (B, n, dim) gathered over tensor, as the residual stream they modulate is: otherwise sharding
         # propagation splits the norms and the residual by features and gathers (B, L, dim) activations.
         out = constrain(out, ("act_batch", None, "act_embed"))
@@ -228,13 +237,13 @@ class Modulation(nn.Module):
         return [tuple(chunks[i : i + 3]) for i in range(0, n, 3)]
 
 
-def joint_attention(block: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, pe: jax.Array) -> jax.Array:
-    """The block's rotary joint attention: FP8 (cuDNN) when the block runs FP8 and ``attention_fp8`` is
-    set (``config.fp8_dot_product_attention``), else ``attention_impl`` in 16 bits."""
+def joint_attention(block: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The block's joint attention of q, k rotated by QKNorm: FP8 (cuDNN) when the block runs FP8 and
+    ``attention_fp8`` is set (``config.fp8_dot_product_attention``), else ``attention_impl`` in 16 bits."""
     if block.attention_fp8 is not None and block.dot_general_cls is not None:
-        out = Fp8Attention(block.attention_fp8, name="fp8_attention")(q, k, v, pe)
+        out = Fp8Attention(block.attention_fp8, name="fp8_attention")(q, k, v)
     else:
-        out = attention(q, k, v, pe, block.attention_impl)
+        out = attention(q, k, v, None, block.attention_impl)
     return checkpoint_name(out, "attention_out")
 
 
@@ -282,14 +291,15 @@ class DoubleStreamBlock(nn.Module):
                 mlp_2=dense(dim, ("mlp", "embed"), f"{s}_mlp_2", self.dtype, dg),
             )
         x = {"img": img, "txt": txt}
+        n_txt = txt.shape[1]
+        stream_pe = {"txt": pe[:, :n_txt], "img": pe[:, n_txt:]}  # RoPE is per token: rotate each stream
         mods, qkv = {}, {}
         for s, m in streams.items():
             mods[s] = m["mod"](vec)
             shift, scale, _ = mods[s][0]
-            qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale))
+            qkv[s] = m["attn"].heads(modulate(m["norm1"](x[s]), shift, scale), stream_pe[s])
         q, k, v = (jnp.concatenate([qkv["txt"][i], qkv["img"][i]], axis=1) for i in range(3))
-        attn = joint_attention(self, q, k, v, pe)
-        n_txt = txt.shape[1]
+        attn = joint_attention(self, q, k, v)
         attn_out = {"txt": attn[:, :n_txt], "img": attn[:, n_txt:]}
         for s, m in streams.items():
             (_, _, gate1), (shift2, scale2, gate2) = mods[s]
@@ -323,8 +333,8 @@ class SingleStreamBlock(nn.Module):
         mlp_parts = mlp_dim // dim
         h = fused_dense(3 + mlp_parts, dim, "qkv", "linear1", self.dtype, dg)(x_mod)
         q, k, v = split_heads(h[:, :, :3], self.num_heads)
-        q, k = QKNorm(name="norm")(q, k, v)
-        attn = joint_attention(self, q, k, v, pe)
+        q, k = QKNorm(name="norm")(q, k, v, pe)
+        attn = joint_attention(self, q, k, v)
         mlp = gelu(h[:, :, 3:])
         b, length = attn.shape[:2]
         joined = jnp.concatenate([attn.reshape(b, length, 1, dim), mlp], axis=2)

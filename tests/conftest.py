@@ -1,5 +1,6 @@
-"""Test setup: 8 host-platform CPU devices for the mesh tests, strict numpy rank rules, and the
-``tiny_config`` fixture (the toy config at the tiny preset, 3 steps, overrides by dotted name)."""
+"""Test setup: 8 host-platform CPU devices for the mesh tests, strict numpy rank rules, the
+``tiny_config`` fixture (the toy config at the tiny preset, 3 steps, overrides by dotted name) and
+``norm_then_rope``, the reference for ``flux_jax.math.rms_norm_rope``."""
 
 import os
 
@@ -7,10 +8,23 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
+
+from flux_jax.math import apply_rope  # noqa: E402
+
+
+def norm_then_rope(x, scale, pe, dtype):
+    """The blocks' QK path before rms_norm_rope: RMSNorm (float32 math, x's dtype, times scale), cast to
+    dtype, then apply_rope; differentiated by plain autodiff."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return apply_rope(
+        (normed.astype(x.dtype) * scale.reshape((1,) * (x.ndim - 1) + scale.shape)).astype(dtype), pe
+    )
 
 
 def make_tiny_config(**overrides):

@@ -6,8 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import norm_then_rope
 
-from flux_jax.math import apply_rope, attention, embed_nd, flash_attention, rope, timestep_embedding
+from flux_jax.math import (
+    apply_rope,
+    attention,
+    compute_dtype_dot,
+    embed_nd,
+    flash_attention,
+    float32_kernel_dot,
+    rms_norm_rope,
+    rope,
+    timestep_embedding,
+)
 
 
 def test_timestep_embedding_is_cos_first_float32():
@@ -42,6 +53,61 @@ def test_rope_tables_shapes_and_errors():
         embed_nd(jnp.zeros((2, 7, 2)), (4, 6, 6), 10_000)
     with pytest.raises(ValueError, match="even"):
         rope(jnp.zeros((1, 3)), 5, 10_000)
+
+
+def _norm_rope_case(dtype, pe_batch: int):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 7, 3, 16)) * 3, dtype)
+    scale = jnp.asarray(1 + 0.2 * rng.normal(size=(16,)), jnp.float32)
+    pe = embed_nd(jnp.asarray(rng.integers(0, 20, (pe_batch, 7, 3)), jnp.float32), (4, 6, 6), 10_000)
+    g = jnp.asarray(rng.normal(size=x.shape), dtype)
+    return x, scale, pe, g
+
+
+def _vjp(fn, x, scale, pe, g, dtype):
+    out, vjp = jax.vjp(lambda *a: fn(*a, dtype), x, scale, pe)
+    return (out, *vjp(g))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("pe_batch", [2, 1])
+def test_rms_norm_rope_is_norm_then_rope_op_for_op(dtype, pe_batch):
+    x, scale, pe, g = _norm_rope_case(dtype, pe_batch)
+    # Op by op the forward and the analytic backward (x, scale and pe, broadcast over heads and here
+    # over the batch) reproduce autodiff of the composition bit for bit: same ops, same order, same
+    # roundings (the gradient is rounded to dtype after RoPE's transpose and to x's dtype after scale).
+    got = _vjp(rms_norm_rope, x, scale, pe, g, dtype)
+    want = _vjp(norm_then_rope, x, scale, pe, g, dtype)
+    assert [a.dtype for a in got] == [a.dtype for a in want] == [dtype, dtype, jnp.float32, jnp.float32]
+    assert [a.shape for a in got] == [a.shape for a in want] == [x.shape, x.shape, scale.shape, pe.shape]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # Jitted, XLA fuses each side differently (the row sums and the scale's sum over rows may be
+    # reassociated), so gradients agree to float32 rounding, and a bf16 result may round one ulp apart.
+    got = jax.jit(_vjp, static_argnums=(0, 5))(rms_norm_rope, x, scale, pe, g, dtype)
+    want = jax.jit(_vjp, static_argnums=(0, 5))(norm_then_rope, x, scale, pe, g, dtype)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    rtol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    for a, b in zip(got[1:], want[1:]):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+def test_rms_norm_rope_saves_no_float32_copy_for_the_backward():
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x, scale, pe, _ = _norm_rope_case(jnp.bfloat16, 2)
+
+    def saved(fn):
+        res = saved_residuals(lambda x, s: fn(x, s, pe, jnp.bfloat16), x, scale)
+        return sorted((tuple(a.shape), str(a.dtype)) for a, _ in res)
+
+    # x, scale, pe and the mean square per row (B, L, H, 1) only.
+    assert saved(rms_norm_rope) == sorted(
+        [(x.shape, "bfloat16"), (scale.shape, "float32"), (pe.shape, "float32"), ((2, 7, 3, 1), "float32")]
+    )
+    # Autodiff of the composition keeps float32 copies of x and of the normed x (and pe's halves).
+    assert saved(norm_then_rope).count((x.shape, "float32")) >= 2
 
 
 def test_rope_attention_scores_depend_on_relative_position_only():
@@ -114,3 +180,30 @@ def test_pallas_flash_attention_on_gpu_matches_xla(length):
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_float32_kernel_dot_reads_the_float32_kernel_and_keeps_the_16_bit_kernel_gradient():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(4, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 96)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(4, 1, 96)), jnp.bfloat16)
+    dn = (((2,), (0,)), ((), ()))
+
+    def run(dot):
+        out, vjp = jax.vjp(lambda x, w: dot(x, w, dn), x, w)
+        return [np.asarray(a, np.float64) for a in (out, *vjp(g.astype(out.dtype)))], out.dtype
+
+    (out, dx, dw), dtype = run(float32_kernel_dot)
+    (out16, dx16, dw16), dtype16 = run(compute_dtype_dot)
+    (out32, dx32, _), _ = run(
+        lambda x, w, dn: jax.lax.dot_general(x.astype(w.dtype), w, dn, precision="highest")
+    )
+    assert dtype == dtype16 == jnp.bfloat16
+    np.testing.assert_array_equal(dw, dw16)  # the kernel gradient: x^T g in bf16, as the 16-bit dot's
+    # Output and input gradient: the float32 product rounded once, so within one bf16 rounding of the
+    # float32 reference and closer to it than the product of the bf16-rounded kernel.
+    for got, bf16_copy, want in ((out, out16, out32), (dx, dx16, dx32)):
+        np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
+        assert np.linalg.norm(got - want) < np.linalg.norm(bf16_copy - want)
+    with pytest.raises(ValueError, match="float32_kernel_dot"):
+        float32_kernel_dot(x, w, (((1,), (0,)), ((), ())))

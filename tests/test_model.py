@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import norm_then_rope
 
-from flux_jax import convert
+from flux_jax import convert, layers
 from flux_jax.model import PRESETS, Flux, FluxParams, block_segments
 
 
@@ -75,6 +76,34 @@ def test_scan_and_remat_give_the_same_numbers_and_gradients():
         grad_bfl = convert.export_bfl_state_dict(grad, params)
         for k, g in convert.export_bfl_state_dict(ref_grad, params).items():
             np.testing.assert_allclose(grad_bfl[k], g, rtol=2e-4, atol=1e-6, err_msg=k)
+
+
+# f32 unscanned and bf16 scanned: both dtypes and both block layouts at half the compiles of all four
+# (tests/test_math.py covers both dtypes of rms_norm_rope itself).
+@pytest.mark.parametrize("dtype,scan", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_fused_qk_norm_rope_matches_norm_then_rope(dtype, scan, monkeypatch):
+    params = dataclasses.replace(PRESETS["tiny-dev"], depth=1, depth_single_blocks=1)
+    args = _inputs(params)
+    variables = _random_variables(params, args)
+    if scan:
+        variables = convert.load_torch_state_dict(
+            convert.export_bfl_state_dict(variables, params), params, True
+        )
+    runs = []
+    for qk in (layers.rms_norm_rope, norm_then_rope):
+        monkeypatch.setattr(layers, "rms_norm_rope", qk)
+        model = Flux(params, dtype, scan_blocks=scan)
+        runs.append(
+            jax.jit(jax.value_and_grad(lambda v, m=model: jnp.mean(m.apply(v, *args) ** 2)))(variables)
+        )
+        monkeypatch.undo()
+    (loss, grads), (ref_loss, ref_grads) = runs
+    assert loss == ref_loss  # the same forward ops
+    # The backward differs from autodiff's by float32 reassociation under jit (tests/test_math.py).
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        ref = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref_grads), np.float64)
+        err = np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(ref)
+        assert err < 1e-5, (jax.tree_util.keystr(path), err)
 
 
 def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
