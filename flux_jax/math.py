@@ -214,8 +214,10 @@ def _float32_kernel_dot_fwd(lhs, rhs, dimension_numbers, precision):
 def _float32_kernel_dot_bwd(dimension_numbers, precision, res, g):
     lhs, rhs = res
     wide, batch = rhs.dtype, tuple(range(lhs.ndim - 1))
-    # dx from the float32 kernel; dw leaves the GEMM in the input's dtype, as the 16-bit dot's does.
-    dx = jax.lax.dot_general(g.astype(wide), rhs, (((g.ndim - 1,), (1,)), ((), ())), precision=precision)
+    # rhs (K, *N), g (..., *N): dx contracts the feature axes against the float32 kernel; dw leaves
+    # the GEMM in the input's dtype, as the 16-bit dot's does.
+    features = (tuple(range(lhs.ndim - 1, g.ndim)), tuple(range(1, rhs.ndim)))
+    dx = jax.lax.dot_general(g.astype(wide), rhs, (features, ((), ())), precision=precision)
     dw = jax.lax.dot_general(lhs, g, ((batch, batch), ((), ())), precision=precision)
     return dx.astype(lhs.dtype), dw.astype(wide)
 
@@ -235,7 +237,6 @@ def float32_kernel_dot(lhs, rhs, dimension_numbers, precision=None, preferred_el
         raise ValueError(f"float32_kernel_dot is Dense's (..., K) x (K, *N) dot; got {dimension_numbers}.")
     if preferred_element_type is not None and preferred_element_type != lhs.dtype:
         raise ValueError("float32_kernel_dot returns the input's dtype; preferred_element_type must be None.")
-    # A fused kernel (K, parts, width) runs as its (K, parts * width) matrix: the same bytes.
-    flat = rhs.reshape(rhs.shape[0], -1)
-    out = _float32_kernel_dot(lhs, flat, (contract, ((), ())), precision)
-    return out.reshape(out.shape[:-1] + rhs.shape[1:])
+    # A fused kernel (K, parts, width) keeps its axes: as a (K, parts * width) matrix a tensor-split
+    # width would be gathered.
+    return _float32_kernel_dot(lhs, rhs, (contract, ((), ())), precision)

@@ -84,9 +84,15 @@ def test_rms_norm_rope_is_norm_then_rope_op_for_op(dtype, pe_batch):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     # Jitted, XLA fuses each side differently (the row sums and the scale's sum over rows may be
     # reassociated), so gradients agree to float32 rounding, and a bf16 result may round one ulp apart.
+    # The jitted forward is bit-equal on the CPU; on an H100 / H200, where XLA's fusions round the
+    # composition's steps differently, 28% of the bf16 values came out one ulp apart (none more).
     got = jax.jit(_vjp, static_argnums=(0, 5))(rms_norm_rope, x, scale, pe, g, dtype)
     want = jax.jit(_vjp, static_argnums=(0, 5))(norm_then_rope, x, scale, pe, g, dtype)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    a, b = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=2.0**-7 if dtype == jnp.bfloat16 else 1e-6, atol=0)
     rtol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
     for a, b in zip(got[1:], want[1:]):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -201,9 +207,14 @@ def test_float32_kernel_dot_reads_the_float32_kernel_and_keeps_the_16_bit_kernel
     assert dtype == dtype16 == jnp.bfloat16
     np.testing.assert_array_equal(dw, dw16)  # the kernel gradient: x^T g in bf16, as the 16-bit dot's
     # Output and input gradient: the float32 product rounded once, so within one bf16 rounding of the
-    # float32 reference and closer to it than the product of the bf16-rounded kernel.
+    # float32 reference and closer to it than the product of the bf16-rounded kernel. On a GPU, XLA's
+    # default precision runs the float32 GEMM in TF32 (a 10-bit kernel mantissa, against bf16's 7): the
+    # error is then bounded against the output's scale, where cancellation leaves small values
+    # (an H200 had 14 of 384 outputs over one bf16 rounding of their own value).
+    on_cpu = jax.default_backend() == "cpu"
     for got, bf16_copy, want in ((out, out16, out32), (dx, dx16, dx32)):
-        np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
+        atol = 1e-6 if on_cpu else 2.0**-8 * np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=atol)
         assert np.linalg.norm(got - want) < np.linalg.norm(bf16_copy - want)
     with pytest.raises(ValueError, match="float32_kernel_dot"):
         float32_kernel_dot(x, w, (((1,), (0,)), ((), ())))

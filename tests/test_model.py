@@ -98,12 +98,19 @@ def test_fused_qk_norm_rope_matches_norm_then_rope(dtype, scan, monkeypatch):
         )
         monkeypatch.undo()
     (loss, grads), (ref_loss, ref_grads) = runs
-    assert loss == ref_loss  # the same forward ops
     # The backward differs from autodiff's by float32 reassociation under jit (tests/test_math.py).
+    # On the CPU the forward is the same ops, bit for bit. A GPU's fusions may round the composition's
+    # bf16 q / k one ulp apart (tests/test_math.py): the bf16 loss moved by 5.7e-5 of itself on an H200.
+    grad_tol = 1e-5
+    if jax.default_backend() == "cpu":
+        assert loss == ref_loss
+    else:
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-3 if dtype == jnp.bfloat16 else 1e-5)
+        grad_tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         ref = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref_grads), np.float64)
         err = np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(ref)
-        assert err < 1e-5, (jax.tree_util.keystr(path), err)
+        assert err < grad_tol, (jax.tree_util.keystr(path), err)
 
 
 def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
