@@ -218,3 +218,22 @@ def test_float32_kernel_dot_reads_the_float32_kernel_and_keeps_the_16_bit_kernel
         assert np.linalg.norm(got - want) < np.linalg.norm(bf16_copy - want)
     with pytest.raises(ValueError, match="float32_kernel_dot"):
         float32_kernel_dot(x, w, (((1,), (0,)), ((), ())))
+
+
+def test_float32_kernel_dot_on_a_fused_kernel_is_the_flat_kernels():
+    # layers.fused_dense's (K, parts, width) kernel: the same values and gradients as its flat (K, parts *
+    # width) matrix, with the kernel's axes kept (a tensor-split width is not gathered into a matrix).
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(4, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 3, 32)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(4, 1, 3, 32)), jnp.bfloat16)
+
+    def run(x, w, g):
+        out, vjp = jax.vjp(lambda x, w: float32_kernel_dot(x, w, (((2,), (0,)), ((), ()))), x, w)
+        return (out, *vjp(g))
+
+    out, dx, dw = run(x, w, g)
+    flat = run(x, w.reshape(64, 96), g.reshape(4, 1, 96))
+    assert out.shape == g.shape and dw.shape == w.shape
+    for a, b in zip((out, dx, dw), (flat[0].reshape(out.shape), flat[1], flat[2].reshape(w.shape))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
