@@ -106,12 +106,7 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     if as_rocm:
         c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
         choices.resolve(c, setup.flux_params(c), MI300X)
-    for key, value in overrides.items():
-        *path, leaf = key.split(".")  # "model.attention=pallas" reaches into sub-configs
-        target = c
-        for part in path:
-            target = target[part]
-        target[leaf] = value
+    c.update_from_flattened_dict(overrides)  # dotted keys ("model.attention") reach into sub-configs
     return c, batch, side, txt_len
 
 

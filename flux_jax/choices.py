@@ -21,7 +21,7 @@ from flux_jax.math import IMPLEMENTATIONS, flash_attention
 ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
 # ROCm takes JAX's Pallas (Triton) flash attention: forward + backward 2.3x faster than XLA's attention at
 # the block shape and 2.2x at 1024 px on an H100 (benchmarks/attention.py; benchmarks/RESULTS.md, "Attention
-# kernels"). It has not run on an AMD GPU, so ``resolve`` compiles it once on the device first and falls
+# kernels"). It has not run on an AMD GPU, so ``attention_for`` compiles it once on the device first and falls
 # back to XLA, with a warning naming the error, if that fails.
 ROCM_ATTENTION = "pallas"
 GPU_PLATFORMS = ("cuda", "rocm")
@@ -55,14 +55,6 @@ def attention_error(choice: str, desc: fp8.DeviceDescription) -> str | None:
     return None
 
 
-def attention_for(config, flux_params, desc: fp8.DeviceDescription | None = None) -> str:
-    """``config.model.attention``, with ``"auto"`` resolved on ``desc`` (this device by default)."""
-    if config.model.attention != "auto":
-        return config.model.attention
-    head_dim = flux_params.hidden_size // flux_params.num_heads
-    return auto_attention(desc or fp8.describe_device(), head_dim, config.model.dtype)
-
-
 @functools.cache
 def pallas_error() -> str | None:
     """Why JAX's Pallas flash attention does not compile and run on this device (forward and backward of a
@@ -75,21 +67,30 @@ def pallas_error() -> str | None:
     return None
 
 
+def attention_for(config, flux_params, desc: fp8.DeviceDescription | None = None) -> str:
+    """``config.model.attention``, with ``"auto"`` resolved on ``desc`` (this device by default).
+
+    On a GPU, an ``auto`` that lands on the Pallas attention (ROCm, where it has not run) is compiled
+    once on the device first (``pallas_error``); if it does not run, XLA attention, with a warning."""
+    if config.model.attention != "auto":
+        return config.model.attention
+    head_dim = flux_params.hidden_size // flux_params.num_heads
+    choice = auto_attention(desc or fp8.describe_device(), head_dim, config.model.dtype)
+    if choice == "pallas" and jax.default_backend() != "cpu" and (error := pallas_error()):
+        warnings.warn(
+            f"model.attention=auto: the Pallas flash attention does not run on this GPU ({error}); "
+            "using XLA attention instead. --config.model.attention=pallas makes this an error.",
+            stacklevel=2,
+        )
+        return "xla"
+    return choice
+
+
 def resolve(config, flux_params, desc: fp8.DeviceDescription | None = None) -> dict[str, str]:
     """Replaces each ``"auto"`` platform choice of ``config`` by its value on ``desc`` (this device by
     default); returns the resolved values {dotted field: value}."""
     desc = desc or fp8.describe_device()
-    auto = config.model.attention == "auto"
     config.model.attention = attention_for(config, flux_params, desc)
-    if auto and config.model.attention == "pallas" and jax.default_backend() != "cpu":
-        error = pallas_error()
-        if error:
-            warnings.warn(
-                f"model.attention=auto: the Pallas flash attention does not run on this GPU ({error}); "
-                "using XLA attention instead. --config.model.attention=pallas makes this an error.",
-                stacklevel=2,
-            )
-            config.model.attention = "xla"
     if config.get("fp8_cast_kernel", "xla") == "auto":
         config.fp8_cast_kernel = fp8.resolve_cast_kernel("auto", desc)
     if config.get("fp8_format_family", "auto") == "auto":

@@ -49,7 +49,6 @@ __all__ = [
     "supports_block_scaled_gemm",
     "spec_from_config",
     "make_policy",
-    "config_problems",
     "validate_config",
     "config_problems",
     "validate_fp8_attention",
@@ -334,32 +333,27 @@ def merge_states(a, b):
     return jax.tree.map(jnp.maximum, a, b)
 
 
-def _recorded_scales(tree) -> list[np.ndarray]:
-    """The scales of the dots that have recorded an amax: a held BF16 layer's (``first_last_layers_bf16``)
-    keep their initial 1.0 and an all-zero history, and would otherwise show in the summary. Scanned
-    entries (a leading layer axis) are filtered layer by layer."""
-    found = []
-    if not isinstance(tree, Mapping):
-        return found
+def _operand_states(tree):
+    """(scale, amax history) of every operand in an fp8_meta tree, as numpy arrays."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            found += _recorded_scales(value)
-        elif str(key).endswith("_scale") and f"{str(key)[: -len('_scale')]}_amax_history" in tree:
-            history = np.asarray(tree[f"{str(key)[: -len('_scale')]}_amax_history"])
-            scale = np.asarray(value)
-            found.append(scale[np.max(history, axis=-1) > 0])
-    return [s for s in found if s.size]
+            yield from _operand_states(value)
+        elif str(key).endswith("_scale"):
+            yield np.asarray(value), np.asarray(tree[f"{str(key).removesuffix('_scale')}_amax_history"])
 
 
 def summarize(fp8_meta: Mapping) -> dict[str, float]:
-    """Scalars for logging: smallest/largest scale of the dots that recorded an amax, largest amax."""
-    scales = _recorded_scales(fp8_meta)
+    """Scalars for logging: smallest/largest scale of the dots that recorded an amax, largest amax.
+
+    A held BF16 layer's entries (``first_last_layers_bf16``) keep their initial scale and an all-zero
+    history and stay out of the scales; scanned entries (a leading layer axis) are filtered per layer."""
+    states = list(_operand_states(fp8_meta))
+    scales = [s[np.max(h, axis=-1) > 0] for s, h in states]
+    scales = [s for s in scales if s.size]
     if not scales:
         return {}
-    flat = jax.tree_util.tree_flatten_with_path(fp8_meta)[0]
-    hists = [v for path, v in flat if str(getattr(path[-1], "key", path[-1])).endswith("_amax_history")]
     return {
         "scale_min": float(min(np.min(s) for s in scales)),
         "scale_max": float(max(np.max(s) for s in scales)),
-        "amax_max": float(max(np.max(np.asarray(h)) for h in hists)),
+        "amax_max": float(max(np.max(h) for _, h in states)),
     }

@@ -157,8 +157,7 @@ def abstract_state(run: Run) -> tuple[dict, dict]:
     allocated. Params are sharded by the logical-axis rules, AdamW moments like their params,
     fp8_meta and scalars replicated."""
     replicated = NamedSharding(run.mesh, PartitionSpec())
-    boxed = jax.eval_shape(lambda r: run.net.init(r, *init_args(run.fp, run.shapes)), jax.random.key(0))
-    params = sharding.param_shardings(boxed, run.mesh, run.rules)["params"]
+    params = sharding.param_shardings(abstract_variables(run.net, run.shapes), run.mesh, run.rules)["params"]
     shapes = jax.eval_shape(lambda r: _state(run, r, r), jax.random.key(0))
     opt = optax.tree_map_params(
         run.tx, lambda _, s: s, shapes["opt_state"], params, transform_non_params=lambda _: replicated

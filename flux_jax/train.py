@@ -121,11 +121,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     upcoming = [_to_global(next(train_iter), mesh)] if first < config.train_iters else []
     context = lambda: _compile_context(mesh, rules)  # noqa: E731
     eval_zeros = (np.zeros(latents.NUM_VAL_TIMESTEPS, np.float32),) * 2  # the totals of no batch
+    eval_rng_spec = jax.ShapeDtypeStruct(eval_rng.shape, eval_rng.dtype)
 
     def compile_steps(fp8_on: bool, train_spec: tuple):
         return aot.compile_steps(run, state_shardings, fp8_on, train_spec, val_spec, eval_rng_spec, context)
 
-    eval_rng_spec = jax.ShapeDtypeStruct(eval_rng.shape, eval_rng.dtype)
     train_spec = aot.abstract_like((state, upcoming[0][1])) if upcoming else None
     train_step = eval_step = None  # compiled when the loop starts, under the preemption guard
     flops = metrics.train_flops_per_sample(fp, run.shapes["img"].shape[1], run.shapes["txt"].shape[1])

@@ -44,12 +44,7 @@ def make_tiny_config(**overrides):
     c.eval_iters = 1
     c.save_interval = 3
     c.checkpoint.async_save = False
-    for k, v in overrides.items():
-        target = c
-        *path, leaf = k.split(".")
-        for p in path:
-            target = target[p]
-        target[leaf] = v
+    c.update_from_flattened_dict(overrides)
     return c
 
 
