@@ -178,7 +178,8 @@ def rowwise_matmul(a, b, dtype_a, dtype_b, out_dtype, n: int = 1):
 
 
 def _plain_dot(a, b, out_dtype):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    """(*K, M) @ (M, *N) over M: the 16-bit weight gradient of a kernel with any number of axes."""
+    return lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

@@ -339,15 +339,20 @@ def test_a_checkpoint_in_the_segmented_layout_names_the_way_forward(tmp_path):
     meta = _split_stacks(state["fp8_meta"], spans)
     meta = {k: v for k, v in meta.items() if k not in ("double_blocks_scan_0_1", "single_blocks_scan_1_2")}
     old = state | {"params": params, "opt_state": optim.make_optimizer(config).init(params), "fp8_meta": meta}
+    fix = r"double_blocks_scan_1_2, single_blocks_scan_1_2\), a layout of earlier .* --config.init_from="
+    _old_layout_names_the_way_forward(tmp_path, config, fp, state, old, fix)
+
+
+def _old_layout_names_the_way_forward(tmp_path, config, fp, state, old, fix):
+    """A checkpoint of ``old`` (an earlier layout of ``state``) fails to restore and to init from with
+    ``fix``; the fix it names, export (which reads either layout) then init_from, gives ``state``'s params."""
     ck = checkpoint.Checkpointer(tmp_path, config)
     assert ck.save(2, old, force=True)
-    fix = r"double_blocks_scan_1_2, single_blocks_scan_1_2\), a layout of earlier .* --config.init_from="
     with pytest.raises(ValueError, match=fix):
         ck.restore(2, _abstract(state), fresh_fp8_meta=state["fp8_meta"])
     ck.close()
     with pytest.raises(ValueError, match=fix):
         checkpoint.load_init_from(str(tmp_path), fp, _abstract(state["params"]), scan_blocks=True)
-    # The fix it names: export (which reads either layout), then init_from.
     exported = checkpoint.export(tmp_path, tmp_path / "params.safetensors", dtype="float32")
     got = checkpoint.load_init_from(str(exported), fp, _abstract(state["params"]), scan_blocks=True)
     _equal(got, state["params"])
@@ -376,18 +381,8 @@ def test_a_checkpoint_with_flat_fused_projections_names_the_way_forward(tmp_path
     assert params["double_blocks_scan_0_2"]["img_attn"]["qkv"]["kernel"].shape == (2, 32, 96)
     assert params["single_blocks_scan_0_2"]["linear2"]["kernel"].shape == (2, 160, 32)
     old = state | {"params": params, "opt_state": optim.make_optimizer(config).init(params)}
-    ck = checkpoint.Checkpointer(tmp_path, config)
-    assert ck.save(2, old, force=True)
     fix = r"as flat matrices \(double_blocks_scan_0_2/img_attn/qkv/bias, .* --config.init_from="
-    with pytest.raises(ValueError, match=fix):
-        ck.restore(2, _abstract(state), fresh_fp8_meta=state["fp8_meta"])
-    ck.close()
-    with pytest.raises(ValueError, match=fix):
-        checkpoint.load_init_from(str(tmp_path), fp, _abstract(state["params"]), scan_blocks=True)
-    # The fix it names: export (which reads either layout), then init_from.
-    exported = checkpoint.export(tmp_path, tmp_path / "params.safetensors", dtype="float32")
-    got = checkpoint.load_init_from(str(exported), fp, _abstract(state["params"]), scan_blocks=True)
-    _equal(got, state["params"])
+    _old_layout_names_the_way_forward(tmp_path, config, fp, state, old, fix)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
