@@ -1,6 +1,7 @@
 """Test setup: 8 host-platform CPU devices for the mesh tests, strict numpy rank rules, the
-``tiny_config`` fixture (the toy config at the tiny preset, 3 steps, overrides by dotted name) and
-``norm_then_rope``, the reference for ``flux_jax.math.rms_norm_rope``."""
+``tiny_config`` fixture (the toy config at the tiny preset, 3 steps, overrides by dotted name),
+``norm_then_rope``, the reference for ``flux_jax.math.rms_norm_rope``, and ``delayed_meta``, one FP8
+dot's scaling state for calling ``fp8_matmul`` directly."""
 
 import os
 
@@ -14,6 +15,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
+from flux_jax.fp8_dot import OPERANDS  # noqa: E402
 from flux_jax.math import apply_rope  # noqa: E402
 
 
@@ -25,6 +27,15 @@ def norm_then_rope(x, scale, pe, dtype):
     return apply_rope(
         (normed.astype(x.dtype) * scale.reshape((1,) * (x.ndim - 1) + scale.shape)).astype(dtype), pe
     )
+
+
+def delayed_meta():
+    """Delayed-scaling state for one dense's three operands: a 4-step history of 2.0 and its scale."""
+    return {
+        f"{n}_{k}": v
+        for n in OPERANDS
+        for k, v in (("amax_history", jnp.full((4,), 2.0, jnp.float32)), ("scale", jnp.float32(2.0 / 448)))
+    }
 
 
 def make_tiny_config(**overrides):

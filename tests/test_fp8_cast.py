@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from conftest import delayed_meta
 
 from flux_jax import fp8, fp8_cast
 from flux_jax.fp8_dot import Fp8Spec, fp8_matmul
@@ -102,20 +103,11 @@ def test_triton_cast_amax_is_inf_on_nan_so_the_scale_update_skips():
     assert not np.isfinite(float(amax))
 
 
-def _meta():
-    """Delayed-scaling state for one dense's three operands: a 4-step history of 2.0 and its scale."""
-    return {
-        f"{n}_{k}": v
-        for n in ("input", "kernel", "output_grad")
-        for k, v in (("amax_history", jnp.full((4,), 2.0, jnp.float32)), ("scale", jnp.float32(2.0 / 448)))
-    }
-
-
 @gpu_only
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_matmul_with_triton_cast_equals_xla_cast(recipe):
     x, w, g = _x((1024, 768), 1), _x((768, 512), 2, scale=0.05), _x((1024, 512), 3, scale=1e-3)
-    meta = _meta()
+    meta = delayed_meta()
 
     def run(kernel):
         spec = Fp8Spec(recipe=recipe, amax_history_len=4, cast_kernel=kernel)
@@ -175,7 +167,7 @@ def test_triton_kernel_choice_runs_per_shard_on_a_mesh(monkeypatch):
 
     monkeypatch.setattr(fp8_cast, "cast_triton", local_cast)
     x, w, g = _x((64, 32), 1), _x((32, 16), 2, scale=0.05), _x((64, 16), 3, scale=1e-3)
-    meta = _meta()
+    meta = delayed_meta()
 
     def run(kernel):
         spec = Fp8Spec(amax_history_len=4, cast_kernel=kernel)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import delayed_meta
 
 from flux_jax import layers, math
 from flux_jax.fp8_dot import FP8_COLLECTION, Fp8DotGeneral, Fp8Spec, fp8_matmul
@@ -212,11 +213,7 @@ def test_16_bit_weight_gradient_of_a_two_axis_kernel_is_the_flat_kernels(recipe)
     x = jnp.asarray(rng.normal(size=(16, 5, DIM)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(5, DIM, DIM)) * 0.1, jnp.float32)
     g = jnp.asarray(rng.normal(size=(16, DIM)), jnp.bfloat16)
-    meta = {
-        f"{n}_{k}": v
-        for n in ("input", "kernel", "output_grad")
-        for k, v in (("amax_history", jnp.full((4,), 2.0, jnp.float32)), ("scale", jnp.float32(2.0 / 448)))
-    }
+    meta = delayed_meta()
 
     def run(x, w):
         y, vjp = jax.vjp(lambda x, w: fp8_matmul(x, w, meta, None, spec, jnp.bfloat16), x, w)
