@@ -194,7 +194,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     finish.callback(lambda: eval_step and eval_step.wait())
     # The guard is outermost: a second signal while the checkpoint is still being written is
     # caught by it too, instead of interrupting the write.
-    with guard, finish, watch, jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with guard, finish, watch, context():
         if upcoming:
             with watch.expected():
                 train_step, eval_step = compile_steps(use_fp8, train_spec)
@@ -247,7 +247,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _compile_context(mesh, rules):
-    """What the steps are traced under: the mesh and the logical-axis rules (both per thread)."""
+    """What the steps are traced and the loop runs under: the mesh and the logical-axis rules (both
+    per thread, so the background compile enters them again)."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
 
