@@ -139,9 +139,8 @@ def _abstract(name: str, shape: tuple[int, ...] | None) -> dict[str, jax.ShapeDt
     return {} if shape is None else {name: jax.ShapeDtypeStruct(shape, jnp.float32)}
 
 
-def _expected_bfl_shapes(params: FluxParams) -> dict[str, tuple[int, ...]]:
-    """BFL key -> torch shape for an unscanned Flux(params), from an abstract init."""
-    flax_shapes = _flax_shapes(params)
+def _expected_bfl_shapes(flax_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """BFL key -> torch shape, from ``_flax_shapes`` (an unscanned Flux's abstract init)."""
     return {key: _torch_shape(key, flax_shapes) for key in flax_shapes}
 
 
@@ -176,7 +175,7 @@ def load_torch_state_dict(
     if is_diffusers:
         sd, missing = _diffusers_to_bfl(sd)
     flax_shapes = _flax_shapes(params)
-    expected = {key: _torch_shape(key, flax_shapes) for key in flax_shapes}
+    expected = _expected_bfl_shapes(flax_shapes)
     missing += sorted(k for k in expected if k not in sd)
     unexpected = sorted(k for k in sd if k not in expected)
     wrong = sorted(
@@ -235,7 +234,7 @@ def export_bfl_state_dict(variables: Mapping[str, Any], params: FluxParams) -> d
         if names[-1] == "kernel":
             names[-1], value = "weight", value.T
         out[".".join(names)] = np.ascontiguousarray(value)
-    expected = _expected_bfl_shapes(params)
+    expected = _expected_bfl_shapes(_flax_shapes(params))
     if set(out) != set(expected):
         raise UserError(
             f"Variables do not match FluxParams {params}: missing {sorted(set(expected) - set(out))}, "
