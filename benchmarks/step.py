@@ -51,7 +51,7 @@ import numpy as np
 from benchmarks import trace_summary
 from benchmarks.timing import median_seconds
 from configs import flux_535m
-from flux_jax import choices, doctor, fp8, metrics, setup, sharding, steps
+from flux_jax import choices, config_cli, doctor, fp8, metrics, setup, sharding, steps
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {
@@ -63,18 +63,6 @@ SHAPES = {
 }
 
 
-def parse_variant(variant: str) -> tuple[str, dict]:
-    """``"delayed@fp8_modulation=true;fp8_wgrad=false"`` -> ("delayed", {field: value})."""
-    recipe, _, rest = variant.partition("@")
-    overrides = {}
-    for item in filter(None, rest.split(";")):
-        key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
-        if isinstance(overrides[key], str) and overrides[key].lstrip("-").isdigit():
-            overrides[key] = int(overrides[key])
-    return recipe, overrides
-
-
 # What flux_jax.choices resolves on an MI300X; "rocm:" variants take its attention and FP8 cast.
 MI300X = fp8.DeviceDescription("rocm", "AMD Instinct MI300X", "gfx942")
 ROCM_PREFIX = "rocm:"
@@ -82,7 +70,7 @@ ROCM_PREFIX = "rocm:"
 
 def bench_config(shape: str, variant: str, args) -> tuple:
     as_rocm = variant.startswith(ROCM_PREFIX)
-    recipe, overrides = parse_variant(variant.removeprefix(ROCM_PREFIX))
+    recipe, overrides = config_cli.split_variant(variant.removeprefix(ROCM_PREFIX), "--recipes")
     depth, single, batch, side, txt_len = SHAPES[shape]
     if shape == "mlperf":
         depth, single, batch = args.depth, args.single, args.batch or batch
@@ -106,7 +94,7 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     if as_rocm:
         c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
         choices.resolve(c, setup.flux_params(c), MI300X)
-    c.update_from_flattened_dict(overrides)  # dotted keys ("model.attention") reach into sub-configs
+    config_cli.apply_overrides(c, overrides)  # dotted fields ("model.attention") reach into sub-configs
     return c, batch, side, txt_len
 
 

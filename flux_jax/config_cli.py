@@ -214,6 +214,23 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
     return rest, overrides
 
 
+def split_variant(spec: str, flag: str) -> tuple[str, list[tuple[str, str]]]:
+    """``"NAME@field=value;other.field=value"`` -> ("NAME", [(field, text), ...]): one run variant of a
+    command that trains or times several (``--recipes`` of flux_jax.convergence and benchmarks/step.py).
+    The texts are typed by ``apply_overrides``; ``flag`` names the argument in errors."""
+    name, _, rest = spec.partition("@")
+    overrides = []
+    for item in filter(None, (i.strip() for i in rest.split(";"))):
+        field, eq, text = item.partition("=")
+        if not eq or not field:
+            raise UserError(
+                f"{flag}: {item!r} in {spec!r} is not FIELD=VALUE; write e.g. "
+                f"{name}@adam_moments_dtype=bfloat16;fp8_wgrad=false."
+            )
+        overrides.append((field.strip().removeprefix("config."), text.strip()))
+    return name.strip(), overrides
+
+
 def _config_spec(argv: Sequence[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):

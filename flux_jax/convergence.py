@@ -6,7 +6,9 @@ validation points), DIR/convergence.md and DIR/convergence.json (final losses, r
 recipe, and a verdict against the Primus claim "FP8 loss within 5% of BF16").
 
 Recipes: ``bf16`` sets config.fp8=None; ``fp8`` uses config.fp8 (``e4m3`` when unset); ``e4m3`` and
-``hybrid`` pick the format; a ``:RECIPE`` suffix sets config.fp8_recipe (``fp8:tensorwise``). Nothing
+``hybrid`` pick the format; a ``:RECIPE`` suffix sets config.fp8_recipe (``fp8:tensorwise``); an
+``@FIELD=VALUE;FIELD=VALUE`` suffix sets any other fields, typed as ``--config.FIELD=VALUE`` would be
+(``hybrid@adam_moments_dtype=bfloat16`` against ``hybrid``: bf16 AdamW moments against float32). Nothing
 else differs between variants, so they share init, data order, timesteps and noise. "bf16" means FP8
 off: the rest of the model computes in config.model.dtype. Rerunning on a finished DIR resumes each run
 at its last step and only rewrites the report.
@@ -17,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -33,8 +36,10 @@ COLORS = [(31, 119, 180), (230, 100, 0), (44, 160, 44), (214, 39, 40), (148, 103
 
 # ---- Variants and metrics ------------------------------------------------------------------------
 def variant_config(config, recipe: str):
-    """A copy of config for one recipe; only config.fp8 and config.fp8_recipe change."""
-    fmt, _, scaling = recipe.partition(":")
+    """A copy of config for one recipe: config.fp8 and config.fp8_recipe, plus the fields an
+    ``@field=value;field=value`` suffix names (``hybrid@adam_moments_dtype=bfloat16``)."""
+    spec, overrides = config_cli.split_variant(recipe, "--recipes")
+    fmt, _, scaling = spec.partition(":")
     c = config.copy_and_resolve_references()
     if fmt == "bf16" and not scaling:
         c.fp8 = None
@@ -45,9 +50,16 @@ def variant_config(config, recipe: str):
     else:
         raise UserError(
             f"Unknown recipe {recipe!r} in --recipes: use bf16, fp8, {', '.join(fp8.FORMATS)}, "
-            "optionally with ':RECIPE' (fp8:tensorwise)."
+            "optionally with ':RECIPE' (fp8:tensorwise) and '@FIELD=VALUE;...' "
+            "(bf16@adam_moments_dtype=bfloat16)."
         )
+    config_cli.apply_overrides(c, overrides)
     return c
+
+
+def run_dir(workdir: str, recipe: str) -> str:
+    """workdir/<recipe>, the recipe spelled with file-name-safe characters."""
+    return os.path.join(workdir, re.sub(r"[^A-Za-z0-9._-]+", "_", recipe))
 
 
 def read_metrics(path: str) -> dict:
@@ -283,7 +295,7 @@ def run(config, workdir: str, recipes=("bf16", "fp8"), last_n=50, smooth=20, tol
         config_check.validate(c)
     results, runs = {}, {}
     for recipe, c in configs.items():
-        sub = os.path.join(workdir, recipe.replace(":", "_"))
+        sub = run_dir(workdir, recipe)
         log.info("Training %s (fp8=%s, fp8_recipe=%s) in %s", recipe, c.fp8, c.fp8_recipe, sub)
         results[recipe] = train.train_and_evaluate(c, sub)
         if results[recipe]["preempted"]:  # no report from a partial run
@@ -336,7 +348,9 @@ def parser() -> argparse.ArgumentParser:
         "--workdir", required=True, help="report directory; each recipe trains in WORKDIR/<recipe>"
     )
     p.add_argument(
-        "--recipes", default="bf16,fp8", help="comma-separated: bf16, fp8, e4m3, hybrid, optional :RECIPE"
+        "--recipes",
+        default="bf16,fp8",
+        help="comma-separated: bf16, fp8, e4m3, hybrid, optional :RECIPE and @FIELD=VALUE;FIELD=VALUE",
     )
     p.add_argument("--last_n", type=int, default=50, help="final train loss = mean over the last N steps")
     p.add_argument(

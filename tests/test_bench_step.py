@@ -1,18 +1,30 @@
 """benchmarks/step.py on the CPU: the compile-only path writes its JSON, bad flags name the fix."""
 
+import argparse
 import json
 
 import jax
 import pytest
 
 from benchmarks import step
+from flux_jax.errors import UserError
 
 
-def test_parse_variant_overrides():
-    assert step.parse_variant("bf16") == ("bf16", {})
-    recipe, overrides = step.parse_variant("delayed@fp8_modulation=true;fp8_amax_history_len=16;x=none")
-    assert recipe == "delayed"
-    assert overrides == {"fp8_modulation": True, "fp8_amax_history_len": 16, "x": None}
+def test_variant_overrides_take_the_fields_types():
+    args = argparse.Namespace(
+        attention="xla", scan=False, remat=None, depth=2, single=4, batch=0, micro=1, format="hybrid"
+    )
+    c, *_ = step.bench_config(
+        "tiny", "delayed@fp8_wgrad=false;fp8_amax_history_len=16;model.attention=xla", args
+    )
+    assert (c.fp8_recipe, c.fp8_wgrad, c.fp8_amax_history_len, c.model.attention) == (
+        "delayed",
+        False,
+        16,
+        "xla",
+    )
+    with pytest.raises(UserError, match="fp8_amax_history_len='many': expected an integer"):
+        step.bench_config("tiny", "delayed@fp8_amax_history_len=many", args)
 
 
 def test_compile_only_writes_json(tmp_path):

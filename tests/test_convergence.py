@@ -10,6 +10,7 @@ from PIL import Image
 
 from configs import toy as toy_config
 from flux_jax import convergence as cv
+from flux_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,6 +104,19 @@ def test_variant_config_changes_only_fp8_fields():
     assert base.fp8 is None and base.fp8_recipe == "delayed"
     with pytest.raises(ValueError, match="Unknown recipe"):
         cv.variant_config(base, "fp4")
+
+
+def test_variant_config_sets_the_fields_after_at_with_their_types(tmp_path):
+    base = toy_config.get_config()
+    c = cv.variant_config(base, "hybrid@adam_moments_dtype=bfloat16;model.dtype=float32;lr=3e-4")
+    assert (c.fp8, c.adam_moments_dtype, c.model.dtype, c.lr) == ("hybrid", "bfloat16", "float32", 3e-4)
+    assert base.adam_moments_dtype == "float32" and base.fp8 is None
+    with pytest.raises(UserError, match=r"adam_moments_dtpe: unknown field.*adam_moments_dtype"):
+        cv.variant_config(base, "bf16@adam_moments_dtpe=bfloat16")
+    with pytest.raises(UserError, match="not FIELD=VALUE"):
+        cv.variant_config(base, "bf16@adam_moments_dtype")
+    sub = cv.run_dir(str(tmp_path), "hybrid:rowwise@adam_moments_dtype=bfloat16;fp8_wgrad=false")
+    assert sub == str(tmp_path / "hybrid_rowwise_adam_moments_dtype_bfloat16_fp8_wgrad_false")
 
 
 @pytest.mark.parametrize("lo,hi", [(0, 300), (0.21, 1.42), (0.0, 3.0), (5.0, 5.0), (0.011, 0.0135)])
