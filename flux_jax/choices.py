@@ -3,8 +3,9 @@
 ``model.attention``: "cudnn" on NVIDIA (16-bit compute, a head dim cuDNN takes); on ROCm
 ``ROCM_ATTENTION``, the fastest portable choice measured (benchmarks/RESULTS.md), if it compiles there;
 "xla" elsewhere.
-``fp8_cast_kernel``: "triton" (the jax-triton cast) on NVIDIA with jax-triton installed, "xla" elsewhere;
-on ROCm "xla" until the Triton cast has run on an AMD GPU. ``fp8_format_family``: "fnuz" on gfx94x
+``fp8_cast_kernel``: "triton" (the jax-triton cast) on NVIDIA with jax-triton installed; on ROCm the same
+once it has matched the XLA cast bit for bit on the device at start-up (``fp8_cast.triton_cast_error``),
+else "xla" with a warning; "xla" elsewhere. ``fp8_format_family``: "fnuz" on gfx94x
 (MI300X/MI325X), "ocp" elsewhere. ``resolve`` writes the resolved values into the config, so they are
 what the run logs and saves in config.json.
 """
@@ -91,10 +92,11 @@ def resolve(config, flux_params, desc: fp8.DeviceDescription | None = None) -> d
     default); returns the resolved values {dotted field: value}."""
     desc = desc or fp8.describe_device()
     config.model.attention = attention_for(config, flux_params, desc)
-    if config.get("fp8_cast_kernel", "xla") == "auto":
-        config.fp8_cast_kernel = fp8.resolve_cast_kernel("auto", desc)
     if config.get("fp8_format_family", "auto") == "auto":
         config.fp8_format_family = fp8.format_family(desc)
+    if config.get("fp8_cast_kernel", "xla") == "auto":
+        family, probe = config.get("fp8_format_family", "auto"), config.get("fp8") is not None
+        config.fp8_cast_kernel = fp8.resolve_cast_kernel("auto", desc, family, probe=probe)
     return {
         "model.attention": config.model.attention,
         "fp8_cast_kernel": config.get("fp8_cast_kernel", "xla"),

@@ -147,9 +147,8 @@ def verdict(summary: dict) -> str:
             if r[k] is not None:
                 parts.append(f"{name}/{summary['baseline']} {k} {r[k]:.4f} ({(r[k] - 1) * 100:+.2f}%)")
     head = "MET" if summary["within"] else "NOT MET"
-    return f'Verdict: {head}: Primus claim "FP8 loss within {pct} of BF16": ' + (
-        ", ".join(parts) or "no losses"
-    )
+    claim = f"losses within {pct} of {summary['baseline']}'s (Primus's claim for FP8 against BF16)"
+    return f"Verdict: {head}: {claim}: " + (", ".join(parts) or "no losses")
 
 
 def _fmt(x, spec=".4f") -> str:

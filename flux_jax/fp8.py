@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flux_jax.errors import UserError, block
-from flux_jax.fp8_cast import CAST_KERNELS, triton_available
+from flux_jax.fp8_cast import CAST_KERNELS, triton_available, triton_cast_error
 from flux_jax.fp8_dot import (
     AMAX_ALGOS,
     FP8_COLLECTION,
@@ -190,11 +190,16 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
     desc = desc or describe_device()
     if kernel == "triton" and (reason := triton_available(_gpu_platform(desc))):
         bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'")
-    if kernel == "triton" and _is_rocm(desc):
-        warnings.warn(
-            "config.fp8_cast_kernel='triton' on ROCm: the Triton cast is checked bit-equal to the XLA cast "
-            "on NVIDIA GPUs only and has not run on an AMD GPU; 'auto' uses the XLA cast there.",
-            stacklevel=2,
+    if (
+        fmt in FORMATS
+        and kernel == "triton"
+        and _is_rocm(desc)
+        and jax.default_backend() != "cpu"
+        and (reason := triton_cast_error(_cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))))
+    ):
+        bad.append(
+            f"config.fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match the XLA "
+            f"cast ({reason}); use 'auto' or 'xla'"
         )
     if fmt in FORMATS and not supports_fp8_gemm(desc):
         bad.append(
@@ -264,7 +269,7 @@ def spec_from_config(config, desc: DeviceDescription | None = None) -> Fp8Spec:
         amax_compute_algo=_get(config, "fp8_amax_compute_algo", "max"),
         margin=float(_get(config, "fp8_margin", 0)),
         wgrad=bool(_get(config, "fp8_wgrad", True)),
-        cast_kernel=resolve_cast_kernel(_get(config, "fp8_cast_kernel", "xla"), desc),
+        cast_kernel=resolve_cast_kernel(_get(config, "fp8_cast_kernel", "xla"), desc, family),
     )
 
 
@@ -273,13 +278,36 @@ def _gpu_platform(desc: DeviceDescription) -> str:
     return "rocm" if _is_rocm(desc) else desc.platform
 
 
-def resolve_cast_kernel(kernel: str, desc: DeviceDescription | None = None) -> str:
+def resolve_cast_kernel(
+    kernel: str, desc: DeviceDescription | None = None, family: str = "auto", probe: bool = True
+) -> str:
     """'auto' -> 'triton' on an NVIDIA GPU with jax-triton installed (on meshes too: the cast runs per
-    shard), else 'xla' (ROCm included, until the Triton cast has run on an AMD GPU)."""
+    shard); on a ROCm GPU the same once the Triton cast has matched the XLA cast bit for bit on this
+    device in ``family``'s FP8 dtypes (``fp8_cast.triton_cast_error``), else 'xla' with a warning naming
+    why; 'xla' elsewhere. ``probe=False`` (a run without FP8) takes 'xla' on ROCm without the check."""
     if kernel != "auto":
         return kernel
-    platform = _gpu_platform(desc or describe_device())
-    return "triton" if platform == "cuda" and triton_available(platform) is None else "xla"
+    desc = desc or describe_device()
+    platform = _gpu_platform(desc)
+    if platform not in ("cuda", "rocm") or triton_available(platform) is not None:
+        return "xla"
+    if platform == "cuda":
+        return "triton"
+    if not probe or jax.default_backend() == "cpu":  # a ROCm description on a CPU (tests): nothing to probe
+        return "xla"
+    if error := triton_cast_error(_cast_dtypes(desc, family)):
+        warnings.warn(
+            f"fp8_cast_kernel=auto: the Triton FP8 cast does not match the XLA cast on this GPU ({error}); "
+            "using the XLA cast. --config.fp8_cast_kernel=xla silences this.",
+            stacklevel=2,
+        )
+        return "xla"
+    return "triton"
+
+
+def _cast_dtypes(desc: DeviceDescription, family: str = "auto") -> tuple[str, ...]:
+    """The names of the FP8 dtypes a run casts to on ``desc`` (both formats of the family)."""
+    return tuple(jnp.dtype(d).name for d in _DTYPES[format_family(desc, family)])
 
 
 def block_sites(flux_params) -> list[str]:

@@ -162,6 +162,52 @@ def cast_triton(
     return q, (q_t if transpose else None), jnp.max(tile_amax)
 
 
+def _probe_input(rows: int = 96, cols: int = 200) -> np.ndarray:
+    """float32 values over 30 binary orders of magnitude, both signs and zeros; tiles cut at both edges."""
+    rng = np.random.default_rng(0)
+    x = np.exp2(rng.uniform(-24.0, 6.0, (rows, cols))) * rng.choice([-1.0, 1.0], (rows, cols))
+    x[::7, ::5] = 0.0
+    x[1::11, 3::13] = -0.0
+    return x.astype(np.float32)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+@functools.cache
+def triton_cast_error(dtypes: tuple[str, ...]) -> str | None:
+    """Why the Triton cast cannot stand in for the XLA cast on this device, or None.
+
+    For each FP8 dtype (by name), both kernels cast a probe tensor, bf16 and a float32 one rounded via
+    bf16 (the kernel cast), with the transposed copy and a scale that clips the largest values; q, q.T
+    and the amax must agree bit for bit. Asked where ``auto`` would pick the Triton cast without it
+    having run on this kind of GPU (ROCm), once per process.
+    """
+    if reason := triton_available():
+        return reason
+    x_np = _probe_input()
+    x32 = jnp.asarray(x_np)
+    try:
+        for name in dtypes:
+            dtype = jnp.dtype(name)
+            scale = jnp.float32(np.abs(x_np).max() / fp8_max(dtype) / 2.0)  # the top values clip
+            for x, via in ((x32.astype(jnp.bfloat16), None), (x32, jnp.bfloat16)):
+                got = jax.jit(cast_triton, static_argnums=(1, 3, 4))(x, dtype, scale, True, via)
+                want = jax.jit(cast_xla, static_argnums=(1, 3, 4))(x, dtype, scale, 1, via)
+                for part, a, b in zip(("q", "q.T", "amax"), got, want):
+                    differ = int(np.sum(_bits(a) != _bits(b)))
+                    if differ:
+                        return (
+                            f"its {part} differs from the XLA cast's in {differ} of {np.size(a)} values "
+                            f"({name}, {x.dtype} input)"
+                        )
+    except Exception as e:  # noqa: BLE001 - any failure means: do not pick it automatically
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def cast(x, dtype, scale, transpose: int, kernel: str = "xla", via=None):
     """(q, q.T or None, amax of x) with ``q = clip(x / scale)`` in ``dtype``; x first rounded to ``via``.
 

@@ -76,17 +76,66 @@ def test_pallas_attention_is_allowed_on_gpus(platform):
     config_check.validate(config, desc=PLATFORMS[platform])
 
 
-def test_triton_cast_on_rocm_is_allowed_with_a_warning(monkeypatch):
-    # jax-triton is not installed on the CPU test machines: availability is mocked, the check is the policy.
-    monkeypatch.setattr(fp8, "triton_available", lambda platform=None: None)
+@pytest.fixture
+def rocm_gpu_with_probe(monkeypatch):
+    """A GPU backend with jax-triton, and the device probe (fp8_cast.triton_cast_error) answering
+    ``result``; returns the dtype tuples it was asked about."""
+    asked = []
+
+    def setup_probe(result):
+        monkeypatch.setattr(fp8, "triton_available", lambda platform=None: None)
+        monkeypatch.setattr(fp8.jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(fp8, "triton_cast_error", lambda dtypes: asked.append(dtypes) or result)
+        return asked
+
+    return setup_probe
+
+
+def test_auto_cast_on_rocm_takes_triton_once_it_matches_the_xla_cast_on_the_device(rocm_gpu_with_probe):
+    asked = rocm_gpu_with_probe(None)
+    assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi300x"]) == "triton"
+    assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi355x"]) == "triton"
+    assert asked == [("float8_e4m3fnuz", "float8_e5m2fnuz"), ("float8_e4m3fn", "float8_e5m2")]
+    assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi300x"], "ocp") == "triton"
+    assert asked[-1] == ("float8_e4m3fn", "float8_e5m2")
+    # A run without FP8 does not ask; NVIDIA takes it without asking.
+    assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi300x"], probe=False) == "xla"
+    assert fp8.resolve_cast_kernel("auto", PLATFORMS["h100"]) == "triton"
+    assert len(asked) == 3
+    config = importlib.import_module("configs.flux_535m").get_config("fp8")
+    config.model.attention = "xla"  # the attention's own device check is not what this test is about
+    choices.resolve(config, setup.flux_params(config), PLATFORMS["mi300x"])
+    assert (config.fp8_cast_kernel, config.fp8_format_family) == ("triton", "fnuz")
+    bf16 = importlib.import_module("configs.flux_535m").get_config()
+    bf16.model.attention = "xla"
+    choices.resolve(bf16, setup.flux_params(bf16), PLATFORMS["mi300x"])
+    assert bf16.fp8_cast_kernel == "xla" and len(asked) == 4
+
+
+def test_auto_cast_on_rocm_falls_back_to_xla_naming_the_mismatch(rocm_gpu_with_probe):
+    rocm_gpu_with_probe(
+        "its q differs from the XLA cast's in 3 of 19200 values (float8_e4m3fnuz, bfloat16 input)"
+    )
+    with pytest.warns(
+        UserWarning, match=r"does not match the XLA cast on this GPU \(its q differs.*using the XLA"
+    ):
+        assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi300x"]) == "xla"
+    # Asked for explicitly, the mismatch is a config error, not a silent switch.
     config = importlib.import_module("configs.flux_535m").get_config("fp8")
     config.fp8_cast_kernel = "triton"
-    with pytest.warns(UserWarning, match=r"fp8_cast_kernel='triton' on ROCm.*has not run on an AMD GPU"):
+    with pytest.raises(
+        ValueError, match=r"fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match"
+    ):
         config_check.validate(config, desc=PLATFORMS["mi300x"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        config_check.validate(config, desc=PLATFORMS["h100"])  # no warning on NVIDIA
-    # "auto" stays XLA on ROCm even where the Triton cast could run, and takes it on NVIDIA.
+        config_check.validate(config, desc=PLATFORMS["h100"])  # NVIDIA: no probe, no warning
+
+
+def test_auto_cast_on_a_rocm_description_off_the_gpu_stays_xla(monkeypatch):
+    # jax-triton is not installed on the CPU test machines: availability is mocked, the check is the policy.
+    monkeypatch.setattr(fp8, "triton_available", lambda platform=None: None)
+    monkeypatch.setattr(fp8, "triton_cast_error", lambda dtypes: pytest.fail("probed on the CPU"))
     assert fp8.resolve_cast_kernel("auto", PLATFORMS["mi300x"]) == "xla"
     assert fp8.resolve_cast_kernel("auto", PLATFORMS["h100"]) == "triton"
 

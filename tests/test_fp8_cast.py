@@ -197,3 +197,65 @@ def test_triton_cast_under_shard_map_is_bit_equal_to_xla(transpose):
         if w is not None:
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
     assert float(got[2]) == float(want[2])
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """triton_cast_error with jax-triton taken as present and ``cast_triton`` replaced by ``kernel``."""
+
+    def run(kernel, dtypes=("float8_e4m3fn", "float8_e5m2")):
+        monkeypatch.setattr(fp8_cast, "triton_available", lambda platform=None: None)
+        monkeypatch.setattr(fp8_cast, "cast_triton", kernel)
+        fp8_cast.triton_cast_error.cache_clear()
+        try:
+            return fp8_cast.triton_cast_error(dtypes)
+        finally:
+            fp8_cast.triton_cast_error.cache_clear()
+
+    return run
+
+
+def _as_xla(x, dtype, scale, transpose, via=None):
+    return fp8_cast.cast_xla(x, dtype, scale, int(transpose), via)
+
+
+def test_device_probe_passes_a_kernel_that_matches_the_xla_cast(probe):
+    assert probe(_as_xla) is None
+    assert probe(_as_xla, ("float8_e4m3fnuz", "float8_e5m2fnuz")) is None
+
+
+def test_device_probe_names_the_first_output_that_differs(probe):
+    def one_value_off(x, dtype, scale, transpose, via=None):
+        q, q_t, amax = _as_xla(x, dtype, scale, transpose, via)
+        return q, q_t.at[5, 7].set(q_t[5, 7] * 2 + 1), amax
+
+    msg = probe(one_value_off)
+    assert msg == "its q.T differs from the XLA cast's in 1 of 19200 values (float8_e4m3fn, bfloat16 input)"
+
+    def off_for_float32(x, dtype, scale, transpose, via=None):
+        return _as_xla(x, dtype, scale * (2.0 if via else 1.0), transpose, via)
+
+    assert "(float8_e4m3fn, float32 input)" in probe(off_for_float32)
+
+    def fails(*args):
+        raise RuntimeError("no kernel image for gfx942\nmore")
+
+    assert probe(fails) == "RuntimeError: no kernel image for gfx942"
+
+
+def test_device_probe_input_clips_rounds_to_subnormals_and_has_signed_zeros():
+    x = fp8_cast._probe_input()
+    dtype = jnp.float8_e4m3fn
+    scale = np.abs(x).max() / fp8_cast.fp8_max(dtype) / 2.0
+    q = np.asarray(fp8_cast.quantize(jnp.asarray(x), dtype, scale), np.float32)
+    assert np.sum(np.abs(q) == fp8_cast.fp8_max(dtype)) > 10  # clipped
+    tiny = float(jnp.finfo(dtype).smallest_normal)
+    assert np.sum((np.abs(q) > 0) & (np.abs(q) < tiny)) > 10  # FP8 subnormals
+    assert np.sum(np.signbit(x) & (x == 0)) > 0 and np.sum(~np.signbit(x) & (x == 0)) > 0
+    assert x.shape[0] % 64 and x.shape[1] % 128  # partial tiles on both axes
+
+
+@gpu_only
+def test_gpu_triton_cast_passes_the_device_probe():
+    fp8_cast.triton_cast_error.cache_clear()
+    assert fp8_cast.triton_cast_error(("float8_e4m3fn", "float8_e5m2")) is None

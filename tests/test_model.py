@@ -107,10 +107,14 @@ def test_fused_qk_norm_rope_matches_norm_then_rope(dtype, scan, monkeypatch):
     else:
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-3 if dtype == jnp.bfloat16 else 1e-5)
         grad_tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    errs = {}
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         ref = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref_grads), np.float64)
-        err = np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(ref)
-        assert err < grad_tol, (jax.tree_util.keystr(path), err)
+        errs[jax.tree_util.keystr(path)] = np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(
+            ref
+        )
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:6]
+    assert worst[0][1] < grad_tol, f"loss {loss} vs {ref_loss}; largest relative gradient errors {worst}"
 
 
 def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
