@@ -99,22 +99,42 @@ def test_fused_qk_norm_rope_matches_norm_then_rope(dtype, scan, monkeypatch):
         monkeypatch.undo()
     (loss, grads), (ref_loss, ref_grads) = runs
     # The backward differs from autodiff's by float32 reassociation under jit (tests/test_math.py).
-    # On the CPU the forward is the same ops, bit for bit. A GPU's fusions may round the composition's
-    # bf16 q / k one ulp apart (tests/test_math.py): the bf16 loss moved by 5.7e-5 of itself on an H200.
-    grad_tol = 1e-5
-    if jax.default_backend() == "cpu":
-        assert loss == ref_loss
-    else:
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-3 if dtype == jnp.bfloat16 else 1e-5)
-        grad_tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    # On the CPU the forward is the same ops, bit for bit.
+    if jax.default_backend() == "cpu" or dtype == jnp.float32:
+        if jax.default_backend() == "cpu":
+            assert loss == ref_loss
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        worst = _worst_relative_errors(grads, ref_grads)
+        assert worst[0][1] < 1e-5, f"largest relative gradient errors {worst}"
+        return
+    # bf16 on a GPU: XLA's fusions round the composition's q / k differently (tests/test_math.py); on an
+    # H200 the loss moved by 5.7e-5 of itself and the bf16 gradients by up to 1.25% (a query_norm scale).
+    # Both runs are held to the float32 model instead: the fused norm no further from it than the
+    # composition it replaces (1.5x that leaf's error plus 2^-8).
+    model32 = Flux(params, jnp.float32, scan_blocks=scan)
+    truth_loss, truth = jax.jit(jax.value_and_grad(lambda v: jnp.mean(model32.apply(v, *args) ** 2)))(
+        variables
+    )
+    assert abs(loss - truth_loss) <= 1.5 * abs(ref_loss - truth_loss) + 1e-3 * abs(truth_loss)
+    fused, composed = (
+        dict(_worst_relative_errors(grads, truth)),
+        dict(_worst_relative_errors(ref_grads, truth)),
+    )
+    worse = {k: (fused[k], composed[k]) for k in fused if fused[k] > 1.5 * composed[k] + 2.0**-8}
+    assert not worse, (
+        f"gradient leaves further from float32 than the composition's (fused, composed): {worse}"
+    )
+
+
+def _worst_relative_errors(grads, ref_grads) -> list[tuple[str, float]]:
+    """(leaf path, ||g - ref|| / ||ref||) for every leaf, largest first."""
     errs = {}
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         ref = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref_grads), np.float64)
         errs[jax.tree_util.keystr(path)] = np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(
             ref
         )
-    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:6]
-    assert worst[0][1] < grad_tol, f"loss {loss} vs {ref_loss}; largest relative gradient errors {worst}"
+    return sorted(errs.items(), key=lambda kv: -kv[1])
 
 
 def test_init_starts_from_zero_output_and_bf16_compute_returns_float32():
