@@ -11,7 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from flux_jax import choices, cli, fp8
+from flux_jax import choices, cli, fp8, fp8_cast
 from flux_jax.fp8_dot import Fp8DotGeneral, Fp8Spec
 
 # Custom-call targets of FP8 GEMMs: cuBLASLt on CUDA, hipBLASLt on ROCm (same target name there).
@@ -97,6 +97,8 @@ def report() -> dict:
         # What "auto" becomes here (flux_jax.choices) for a bf16 model with 128-wide heads (FLUX).
         "attention_auto": choices.auto_attention(desc, 128, "bfloat16"),
         "fp8_cast_kernel_auto": fp8.resolve_cast_kernel("auto", desc),
+        # The device check ROCm's "auto" makes before it takes the Triton cast (run here on any GPU).
+        "triton_cast_check": fp8_cast.triton_cast_error(fp8.cast_dtypes(desc)) or "bit-equal to the XLA cast",
         "fp8_gemm_supported": fp8.supports_fp8_gemm(desc),
         "block_scaled_gemm_supported": fp8.supports_block_scaled_gemm(desc),
     }

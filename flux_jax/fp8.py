@@ -195,7 +195,7 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
         and kernel == "triton"
         and _is_rocm(desc)
         and jax.default_backend() != "cpu"
-        and (reason := triton_cast_error(_cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))))
+        and (reason := triton_cast_error(cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))))
     ):
         bad.append(
             f"config.fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match the XLA "
@@ -295,7 +295,7 @@ def resolve_cast_kernel(
         return "triton"
     if not probe or jax.default_backend() == "cpu":  # a ROCm description on a CPU (tests): nothing to probe
         return "xla"
-    if error := triton_cast_error(_cast_dtypes(desc, family)):
+    if error := triton_cast_error(cast_dtypes(desc, family)):
         warnings.warn(
             f"fp8_cast_kernel=auto: the Triton FP8 cast does not match the XLA cast on this GPU ({error}); "
             "using the XLA cast. --config.fp8_cast_kernel=xla silences this.",
@@ -305,7 +305,7 @@ def resolve_cast_kernel(
     return "triton"
 
 
-def _cast_dtypes(desc: DeviceDescription, family: str = "auto") -> tuple[str, ...]:
+def cast_dtypes(desc: DeviceDescription, family: str = "auto") -> tuple[str, ...]:
     """The names of the FP8 dtypes a run casts to on ``desc`` (both formats of the family)."""
     return tuple(jnp.dtype(d).name for d in _DTYPES[format_family(desc, family)])
 

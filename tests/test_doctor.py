@@ -51,6 +51,7 @@ def test_report_on_this_machine():
     assert r["fp8_cast_kernel_auto"] in ("xla", "triton")
     if jax.default_backend() == "cpu":
         assert r["fp8_gemms_compiled"] is False
+        assert r["triton_cast_check"] == "the platform is 'cpu', not a GPU"
         assert doctor.verdict(r).startswith("FP8 training: emulated on CPU")
 
 
