@@ -16,7 +16,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from flux_jax import fp8
+from flux_jax import distributed, fp8
 from flux_jax.math import IMPLEMENTATIONS, flash_attention
 
 ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
@@ -77,7 +77,11 @@ def attention_for(config, flux_params, desc: fp8.DeviceDescription | None = None
         return config.model.attention
     head_dim = flux_params.hidden_size // flux_params.num_heads
     choice = auto_attention(desc or fp8.describe_device(), head_dim, config.model.dtype)
-    if choice == "pallas" and jax.default_backend() != "cpu" and (error := pallas_error()):
+    if (
+        choice == "pallas"
+        and jax.default_backend() != "cpu"
+        and (error := distributed.first_error(pallas_error(), "pallas_check"))
+    ):
         warnings.warn(
             f"model.attention=auto: the Pallas flash attention does not run on this GPU ({error}); "
             "using XLA attention instead. --config.model.attention=pallas makes this an error.",

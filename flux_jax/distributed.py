@@ -242,6 +242,17 @@ def any_process(flag: bool, name: str) -> bool:
     return any(v == "1" for v in exchange(name, "1" if flag else "0"))
 
 
+def first_error(error: str | None, name: str) -> str | None:
+    """A device check's outcome every process shares: None when it passed on all of them, else the
+    first failing process's error (naming the process when there are several). Every process must call
+    it, so a choice such as a kernel that failed on one node is given up on all (one SPMD program)."""
+    errors = exchange(name, error or "")
+    for p, e in enumerate(errors):
+        if e:
+            return e if len(errors) == 1 else f"process {p}: {e}"
+    return None
+
+
 def check_replicas_agree(tree, what: str) -> None:
     """Raises when a replicated leaf of ``tree`` differs between processes (a no-op on one process).
 

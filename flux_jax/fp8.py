@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax import distributed
 from flux_jax.errors import UserError, block
 from flux_jax.fp8_cast import CAST_KERNELS, triton_available, triton_cast_error
 from flux_jax.fp8_dot import (
@@ -190,17 +191,13 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
     desc = desc or describe_device()
     if kernel == "triton" and (reason := triton_available(_gpu_platform(desc))):
         bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'")
-    if (
-        fmt in FORMATS
-        and kernel == "triton"
-        and _is_rocm(desc)
-        and jax.default_backend() != "cpu"
-        and (reason := triton_cast_error(cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))))
-    ):
-        bad.append(
-            f"config.fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match the XLA "
-            f"cast ({reason}); use 'auto' or 'xla'"
-        )
+    elif fmt in FORMATS and kernel == "triton" and _is_rocm(desc) and jax.default_backend() != "cpu":
+        dtypes = cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))
+        if reason := distributed.first_error(triton_cast_error(dtypes), "triton_cast_check"):
+            bad.append(
+                f"config.fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match the XLA "
+                f"cast ({reason}); use 'auto' or 'xla'"
+            )
     if fmt in FORMATS and not supports_fp8_gemm(desc):
         bad.append(
             f"config.fp8={fmt!r} but this device ({desc.platform} {desc.device_kind!r}, compute "
@@ -295,7 +292,7 @@ def resolve_cast_kernel(
         return "triton"
     if not probe or jax.default_backend() == "cpu":  # a ROCm description on a CPU (tests): nothing to probe
         return "xla"
-    if error := triton_cast_error(cast_dtypes(desc, family)):
+    if error := distributed.first_error(triton_cast_error(cast_dtypes(desc, family)), "triton_cast_check"):
         warnings.warn(
             f"fp8_cast_kernel=auto: the Triton FP8 cast does not match the XLA cast on this GPU ({error}); "
             "using the XLA cast. --config.fp8_cast_kernel=xla silences this.",

@@ -29,6 +29,10 @@ local = global_x[jax.process_index() * per_host : (jax.process_index() + 1) * pe
 x = sharding.host_local_batch_to_global({"x": local}, mesh)["x"]
 w = jnp.linspace(-1.0, 1.0, 6 * 3, dtype=jnp.float32).reshape(6, 3)
 loss, grad = jax.jit(jax.value_and_grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)))(w, x)
+# A device check that fails on the last process only: every process must take its error.
+check = distributed.first_error("no kernel" if jax.process_index() == 1 else None, "check")
+passed = distributed.first_error(None, "check")
+print("CHECK " + json.dumps([jax.process_index(), check, passed]))
 if jax.process_index() == 0:
     print("RESULT " + json.dumps({"n": jax.process_count(), "devices": jax.device_count(),
                                   "loss": float(loss), "grad": np.asarray(grad).tolist()}))
@@ -64,7 +68,10 @@ def _run(num_processes, local_devices, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout
-    return json.loads(lines[0][len("RESULT ") :])
+    checks = [
+        json.loads(line[len("CHECK ") :]) for line in proc.stdout.splitlines() if line.startswith("CHECK ")
+    ]
+    return json.loads(lines[0][len("RESULT ") :]) | {"checks": sorted(checks)}
 
 
 def test_two_processes_match_one(tmp_path):
@@ -74,6 +81,9 @@ def test_two_processes_match_one(tmp_path):
     assert (two["n"], two["devices"]) == (2, 4)
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
     np.testing.assert_allclose(two["grad"], one["grad"], rtol=1e-5, atol=1e-7)
+    # distributed.first_error: one outcome on every process, naming the process that failed.
+    assert one["checks"] == [[0, None, None]]
+    assert two["checks"] == [[0, "process 1: no kernel", None], [1, "process 1: no kernel", None]]
 
 
 def test_single_process_without_env():
