@@ -14,8 +14,9 @@ would run (``flux_jax.choices`` on a gfx942 description: the ROCm attention, the
 FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``. The dtypes stay OCP E4M3/E5M2 (as on
 gfx950; gfx942's fnuz formats have the same bit widths and no FP8 GEMM here).
 
-Shapes:
+Shapes (benchmarks/shapes.py, shared with the PyTorch peer benchmarks/torch_peer.py):
   block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
+  1024px the same blocks, batch 1, 1024x1024 (4096 image tokens), 512 text tokens
   mlperf width 3072, --depth/--single blocks of the 12B model, 256x256 (256 image tokens), 256 text tokens
   535m   flux-535m (1 + 1 blocks), 256x256, 256 text tokens, Primus micro batch 2 (BF16) / 4 (FP8)
   tiny   the "tiny" preset (a few thousand parameters), 4 image + 4 text tokens: tests the bench
@@ -49,18 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import trace_summary
+from benchmarks.shapes import SHAPES, preset_for
 from benchmarks.timing import median_seconds
 from configs import flux_535m
 from flux_jax import choices, config_cli, doctor, fp8, metrics, setup, sharding, steps
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAPES = {
-    # name: (double, single, batch, image tokens per side, text tokens)
-    "block": (2, 4, 4, 32, 512),
-    "mlperf": (2, 4, 16, 16, 256),
-    "535m": (1, 1, 2, 16, 256),
-    "tiny": (1, 1, 2, 2, 4),  # the tests' "tiny" preset: checks the benchmark itself, on a CPU
-}
 
 
 # What flux_jax.choices resolves on an MI300X; "rocm:" variants take its attention and FP8 cast.
@@ -78,8 +73,7 @@ def bench_config(shape: str, variant: str, args) -> tuple:
         batch = 4
     batch = args.batch or batch
     c = flux_535m.get_config()
-    if shape == "tiny":
-        c.model.preset = "tiny"
+    c.model.preset = preset_for(shape)
     c.model.depth, c.model.depth_single_blocks = depth, single
     c.model.attention = args.attention
     c.model.scan_blocks = args.scan
