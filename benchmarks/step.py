@@ -10,8 +10,8 @@ FP8 recipes take the flux-535m config's FP8 fields, so ``fp8_cast_kernel="auto"`
 NVIDIA); ``@field=value;field=value`` overrides any config field for one variant.
 
 ``--as-rocm`` adds, for every variant, its twin ``rocm:VARIANT``: what an MI300X run of the same config
-would run (``flux_jax.choices`` on a gfx942 description: the ROCm attention, the XLA FP8 cast, the same
-FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``. The dtypes stay OCP E4M3/E5M2 (as on
+would run (``flux_jax.choices`` on a gfx942 description: the ROCm attention, the FP8 cast ``auto`` takes
+there after its device check, run on this GPU; the same FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``. The dtypes stay OCP E4M3/E5M2 (as on
 gfx950; gfx942's fnuz formats have the same bit widths and no FP8 GEMM here).
 
 Shapes (benchmarks/shapes.py, shared with the PyTorch peer benchmarks/torch_peer.py):
