@@ -11,8 +11,9 @@ NVIDIA); ``@field=value;field=value`` overrides any config field for one variant
 
 ``--as-rocm`` adds, for every variant, its twin ``rocm:VARIANT``: what an MI300X run of the same config
 would run (``flux_jax.choices`` on a gfx942 description: the ROCm attention, the FP8 cast ``auto`` takes
-there after its device check, run on this GPU; the same FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``. The dtypes stay OCP E4M3/E5M2 (as on
-gfx950; gfx942's fnuz formats have the same bit widths and no FP8 GEMM here).
+there after its device check, the same FP8 recipe), on this GPU. Its speedup is against ``rocm:bf16``.
+The dtypes stay OCP E4M3/E5M2 (as on gfx950; gfx942's fnuz formats have the same bit widths and no FP8
+GEMM here).
 
 Shapes (benchmarks/shapes.py, shared with the PyTorch peer benchmarks/torch_peer.py):
   block  width 3072, 2 double + 4 single blocks, batch 4, 512x512 (1024 image tokens), 512 text tokens
@@ -88,7 +89,9 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     if as_rocm:
         c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
         choices.resolve(c, setup.flux_params(c), MI300X)
-    config_cli.apply_overrides(c, overrides)  # dotted fields ("model.attention") reach into sub-configs
+    config_cli.apply_overrides(
+        c, overrides, f"--recipes {recipe}@"
+    )  # dotted fields ("model.attention") reach into sub-configs
     return c, batch, side, txt_len
 
 

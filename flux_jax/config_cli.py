@@ -163,8 +163,11 @@ def _lookup(config: ml_collections.ConfigDict, dotted: str):
     return config, leaf
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]]) -> None:
-    """Sets each ``(dotted field, text)``; one UserError naming every bad override."""
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]], where: str = _PREFIX
+) -> None:
+    """Sets each ``(dotted field, text)``; one UserError naming every bad override as the user wrote it
+    (``where`` + field: ``--config.lr``, or ``--recipes bf16@lr`` for a variant's)."""
     known = list(fields(config))
     bad = []
     for name, text in overrides:
@@ -172,12 +175,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple
             parent, leaf = _lookup(config, name)
         except (KeyError, AttributeError):
             close = suggestions(name, known)
-            hint = f" Did you mean {', '.join(f'--config.{c}' for c in close)}?" if close else ""
-            bad.append(f"--config.{name}: unknown field.{hint}")
+            hint = f" Did you mean {', '.join(f'{where}{c}' for c in close)}?" if close else ""
+            bad.append(f"{where}{name}: unknown field.{hint}")
             continue
         if isinstance(parent[leaf], ml_collections.ConfigDict):
             sub = [f for f in known if f.startswith(name + ".")]
-            bad.append(f"--config.{name} is a group of fields: set one of them, e.g. --config.{sub[0]}=...")
+            bad.append(f"{where}{name} is a group of fields: set one of them, e.g. {where}{sub[0]}=...")
             continue
         field_type = parent.get_type(leaf)
         optional = isinstance(parent._fields[leaf], ml_collections.FieldReference)  # placeholder(type)
@@ -186,7 +189,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple
             parent[leaf] = value
         except (ValueError, TypeError) as err:
             reason = str(err) if isinstance(err, ValueError) else f"expected {field_type.__name__}"
-            bad.append(f"--config.{name}={text!r}: {reason} (the field holds {parent[leaf]!r}).")
+            bad.append(f"{where}{name}={text!r}: {reason} (the field holds {parent[leaf]!r}).")
     if bad:
         raise UserError(block("Invalid command line", bad, f"List the fields: {_FIELDS_HINT}"))
 

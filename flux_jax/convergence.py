@@ -53,7 +53,7 @@ def variant_config(config, recipe: str):
             "optionally with ':RECIPE' (fp8:tensorwise) and '@FIELD=VALUE;...' "
             "(bf16@adam_moments_dtype=bfloat16)."
         )
-    config_cli.apply_overrides(c, overrides)
+    config_cli.apply_overrides(c, overrides, f"--recipes {spec}@")
     return c
 
 

@@ -23,7 +23,7 @@ def test_variant_overrides_take_the_fields_types():
         16,
         "xla",
     )
-    with pytest.raises(UserError, match="fp8_amax_history_len='many': expected an integer"):
+    with pytest.raises(UserError, match="--recipes delayed@fp8_amax_history_len=.many.: expected an integer"):
         step.bench_config("tiny", "delayed@fp8_amax_history_len=many", args)
 
 

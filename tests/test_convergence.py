@@ -111,7 +111,9 @@ def test_variant_config_sets_the_fields_after_at_with_their_types(tmp_path):
     c = cv.variant_config(base, "hybrid@adam_moments_dtype=bfloat16;model.dtype=float32;lr=3e-4")
     assert (c.fp8, c.adam_moments_dtype, c.model.dtype, c.lr) == ("hybrid", "bfloat16", "float32", 3e-4)
     assert base.adam_moments_dtype == "float32" and base.fp8 is None
-    with pytest.raises(UserError, match=r"adam_moments_dtpe: unknown field.*adam_moments_dtype"):
+    with pytest.raises(
+        UserError, match=r"--recipes bf16@adam_moments_dtpe: unknown field.*bf16@adam_moments_dtype"
+    ):
         cv.variant_config(base, "bf16@adam_moments_dtpe=bfloat16")
     with pytest.raises(UserError, match="not FIELD=VALUE"):
         cv.variant_config(base, "bf16@adam_moments_dtype")
