@@ -26,7 +26,7 @@ import numpy as np
 
 from flux_jax import cli, setup
 from flux_jax.errors import UserError
-from flux_jax.fp8_dot import input_axes
+from flux_jax.fp8_dot import contracted_axes, input_axes
 from flux_jax.model import PRESETS, Flux, FluxParams
 
 _PREFIX = "model.diffusion_model."
@@ -130,13 +130,8 @@ def _torch_shape(key: str, flax_shapes: Mapping[str, tuple[int, ...]]) -> tuple[
     shape = flax_shapes[key]
     if not key.endswith(".weight") or len(shape) < 2:
         return (int(np.prod(shape)),) if len(shape) else ()
-    bias = flax_shapes.get(key.removesuffix("weight") + "bias")
-    n_in = input_axes({"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} | _abstract("bias", bias))
+    n_in = contracted_axes(shape, flax_shapes.get(key.removesuffix("weight") + "bias"))
     return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
-
-
-def _abstract(name: str, shape: tuple[int, ...] | None) -> dict[str, jax.ShapeDtypeStruct]:
-    return {} if shape is None else {name: jax.ShapeDtypeStruct(shape, jnp.float32)}
 
 
 def _expected_bfl_shapes(flax_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

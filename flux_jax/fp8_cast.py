@@ -189,13 +189,13 @@ def triton_cast_error(dtypes: tuple[str, ...]) -> str | None:
         return reason
     x_np = _probe_input()
     x32 = jnp.asarray(x_np)
+    triton, xla = (jax.jit(f, static_argnums=(1, 3, 4)) for f in (cast_triton, cast_xla))
     try:
         for name in dtypes:
             dtype = jnp.dtype(name)
             scale = jnp.float32(np.abs(x_np).max() / fp8_max(dtype) / 2.0)  # the top values clip
             for x, via in ((x32.astype(jnp.bfloat16), None), (x32, jnp.bfloat16)):
-                got = jax.jit(cast_triton, static_argnums=(1, 3, 4))(x, dtype, scale, True, via)
-                want = jax.jit(cast_xla, static_argnums=(1, 3, 4))(x, dtype, scale, 1, via)
+                got, want = triton(x, dtype, scale, True, via), xla(x, dtype, scale, 1, via)
                 for part, a, b in zip(("q", "q.T", "amax"), got, want):
                     differ = int(np.sum(_bits(a) != _bits(b)))
                     if differ:

@@ -143,11 +143,17 @@ def cast_kernels(params, fp8_meta, spec: Fp8Spec, dtype) -> dict:
 
 
 def input_axes(dense_params) -> int:
-    """How many leading axes of a Dense's ``kernel`` it contracts: those its ``bias`` (shaped like the
-    output features) does not have; 1 without a bias. A fused projection (kernel (dim, parts, width))
-    contracts 1, linear2 (kernel (parts, dim, width), bias (width,)) 2. Leaves may be shapes."""
+    """How many leading axes of a Dense's ``kernel`` it contracts (``contracted_axes`` of its leaves'
+    shapes; the leaves may be arrays or ``jax.ShapeDtypeStruct``s)."""
     kernel, bias = dense_params["kernel"], dense_params.get("bias")
-    return 1 if bias is None else len(np.shape(kernel)) - len(np.shape(bias))
+    return contracted_axes(np.shape(kernel), None if bias is None else np.shape(bias))
+
+
+def contracted_axes(kernel_shape: tuple[int, ...], bias_shape: tuple[int, ...] | None) -> int:
+    """The kernel axes a Dense contracts: those its bias (shaped like the output features) does not
+    have; 1 without a bias. A fused projection (kernel (dim, parts, width)) contracts 1, linear2
+    (kernel (parts, dim, width), bias (width,)) 2."""
+    return 1 if bias_shape is None else len(kernel_shape) - len(bias_shape)
 
 
 def _fp8_dot_nt(a, b_t, sa, sb, out_dtype, n: int = 1):
