@@ -89,9 +89,8 @@ def bench_config(shape: str, variant: str, args) -> tuple:
     if as_rocm:
         c.model.attention, c.fp8_cast_kernel, c.fp8_format_family = "auto", "auto", "ocp"
         choices.resolve(c, setup.flux_params(c), MI300X)
-    config_cli.apply_overrides(
-        c, overrides, f"--recipes {recipe}@"
-    )  # dotted fields ("model.attention") reach into sub-configs
+    # Dotted fields ("model.attention") reach into sub-configs.
+    config_cli.apply_overrides(c, overrides, f"--recipes {recipe}@")
     return c, batch, side, txt_len
 
 
