@@ -80,8 +80,13 @@ def test_rms_norm_rope_is_norm_then_rope_op_for_op(dtype, pe_batch):
     want = _vjp(norm_then_rope, x, scale, pe, g, dtype)
     assert [a.dtype for a in got] == [a.dtype for a in want] == [dtype, dtype, jnp.float32, jnp.float32]
     assert [a.shape for a in got] == [a.shape for a in want] == [x.shape, x.shape, scale.shape, pe.shape]
-    for a, b in zip(got, want):
+    # On a GPU the gradients of the broadcast inputs (scale, pe) are sums whose order the two sides'
+    # reduce kernels choose: on an H100, 28% of pe's float32 gradient differed by one float32 rounding.
+    exact = 4 if jax.default_backend() == "cpu" else 2
+    for a, b in zip(got[:exact], want[:exact]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in zip(got[exact:], want[exact:]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * np.abs(b).max())
     # Jitted, XLA fuses each side differently (the row sums and the scale's sum over rows may be
     # reassociated), so gradients agree to float32 rounding. The jitted forward is bit-equal on the CPU.
     # On an H200 XLA's GPU fusions round the composition's steps differently: 3% of the bf16 outputs
