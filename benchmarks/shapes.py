@@ -18,3 +18,13 @@ SHAPES = {
 def preset_for(shape: str) -> str:
     """The flux_jax.model preset whose dimensions a shape takes (its depths are the shape's)."""
     return "tiny" if shape == "tiny" else "flux-535m"
+
+
+def params_for(shape: str):
+    """The FluxParams a shape trains: its preset's dimensions with the shape's depths."""
+    import dataclasses
+
+    from flux_jax.model import PRESETS
+
+    depth, single, *_ = SHAPES[shape]
+    return dataclasses.replace(PRESETS[preset_for(shape)], depth=depth, depth_single_blocks=single)

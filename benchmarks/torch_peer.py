@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.shapes import SHAPES, preset_for
+from benchmarks.shapes import SHAPES, params_for
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
@@ -28,19 +28,16 @@ BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
 def model_for(shape: str, torch_device):
     from diffusers import FluxTransformer2DModel
 
-    from flux_jax.model import PRESETS
-
-    depth, single, *_ = SHAPES[shape]
-    p = PRESETS[preset_for(shape)]
+    p = params_for(shape)  # the FLOP count reads the shape's depths from it
     model = FluxTransformer2DModel(
         in_channels=p.in_channels,
-        num_layers=depth,
-        num_single_layers=single,
+        num_layers=p.depth,
+        num_single_layers=p.depth_single_blocks,
         attention_head_dim=p.hidden_size // p.num_heads,
         num_attention_heads=p.num_heads,
         joint_attention_dim=p.context_in_dim,
         pooled_projection_dim=p.vec_in_dim,
-        guidance_embeds=False,
+        guidance_embeds=p.guidance_embed,
         axes_dims_rope=tuple(p.axes_dim),
     )
     return model.to(torch_device), p

@@ -7,6 +7,8 @@ import jax
 import pytest
 
 from benchmarks import step
+from benchmarks.shapes import SHAPES, params_for
+from flux_jax import setup
 from flux_jax.errors import UserError
 
 
@@ -96,3 +98,22 @@ def test_gemm_only_bound_replaces_the_gemm_time_only():
     fp8 = {"ms_per_step": 48.0, "profile": {"by_category_ms": fp8_cats}}
     assert step.gemm_only_bound(base, fp8) == pytest.approx(60 / 46)
     assert step.gemm_only_bound(base, {"ms_per_step": 48.0}) is None
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_both_benchmarks_train_the_same_model_at_each_shape(shape):
+    # step.py (ours) and torch_peer.py (PyTorch) count model FLOPs from these FluxParams: they must be
+    # the shape's, or the two TFLOP/s columns measure different models.
+    args = argparse.Namespace(
+        attention="xla",
+        scan=False,
+        remat=None,
+        depth=SHAPES["mlperf"][0],
+        single=SHAPES["mlperf"][1],
+        batch=0,
+        micro=1,
+        format="hybrid",
+    )
+    c, *_ = step.bench_config(shape, "bf16", args)
+    assert setup.flux_params(c) == params_for(shape)
+    assert (params_for(shape).depth, params_for(shape).depth_single_blocks) == SHAPES[shape][:2]
