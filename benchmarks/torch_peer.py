@@ -207,6 +207,9 @@ def main(argv=None) -> int:
     for recipe in recipes:
         results.append(run_one(args.shape, recipe, args))
         print(json.dumps(results[-1]), flush=True)
+        if args.out:  # after each recipe: a run stopped during the next compile keeps this one
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
     base = next((r for r in results if r["recipe"] == "bf16"), None)
     head = ("recipe", "ms/step", "img/s", "TFLOP/s", "x bf16", "peak GiB")
     print("{:<12} {:>8} {:>7} {:>8} {:>7} {:>9} float8 linears".format(*head))
@@ -215,9 +218,6 @@ def main(argv=None) -> int:
         peak = f"{r['allocator_peak_gib']:.2f}" if r["allocator_peak_gib"] is not None else "-"
         row = (r["recipe"], r["ms_per_step"], r["images_per_sec"], r["model_tflops"], speedup, peak)
         print("{:<12} {:>8.2f} {:>7.1f} {:>8.1f} {:>7} {:>9} ".format(*row) + str(r["float8_linears"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
     return 0
 
 
