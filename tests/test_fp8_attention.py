@@ -35,26 +35,32 @@ def _emulated_fwd(q8, k8, v8, params, scale):
     q, k, v = (
         x.astype(F32) * params[f"descale_{n}"].reshape(()) for x, n in ((q8, "q"), (k8, "k"), (v8, "v"))
     )
-    o, p = _reference(q, k, v, scale)
+    _, p = _reference(q, k, v, scale)
     # P goes through E4M3 at the fixed scale cuDNN is given, before the P @ V product.
     p8 = _to_fp8(p, params["scale_s"], q8.dtype).astype(F32) * params["descale_s"].reshape(())
     o = jnp.einsum("bhts,bshd->bthd", p8, v)
-    out = (
-        _to_fp8(o, params["scale_o"], q8.dtype),
-        jnp.max(p).reshape(1, 1, 1, 1),
-        jnp.max(jnp.abs(o)).reshape(1, 1, 1, 1),
-    )
-    return out, (q, k, v, params)
+    o8 = _to_fp8(o, params["scale_o"], q8.dtype)
+    out = (o8, jnp.max(p).reshape(1, 1, 1, 1), jnp.max(jnp.abs(o)).reshape(1, 1, 1, 1))
+    return out, (q, k, v, o8, params)
 
 
 def _emulated_bwd(scale, res, g):
-    q, k, v, params = res
-    do = g[0].astype(F32) * params["descale_dO"].reshape(())
-    _, vjp = jax.vjp(lambda a, b, c: _reference(a, b, c, scale)[0], q, k, v)
-    dq, dk, dv = vjp(do)
+    # The FP8 backward as cuDNN's reference model of it computes: dV from the quantized P; dS from the
+    # FP8 output O (the softmax-gradient term) and quantized at scale_dP; dQ and dK from that FP8 dS.
+    q, k, v, o8, params = res
+    s = lambda name: params[name].reshape(())  # noqa: E731
+    do = g[0].astype(F32) * s("descale_dO")
+    _, p = _reference(q, k, v, scale)
+    p8 = _to_fp8(p, params["scale_s"], o8.dtype).astype(F32) * s("descale_s")
+    dv = jnp.einsum("bhts,bthd->bshd", p8, do)
     dp = jnp.einsum("bthd,bshd->bhts", do, v)
+    delta = jnp.einsum("bthd,bthd->bht", o8.astype(F32) * s("descale_o"), do)[..., None]
+    ds = p * (dp - delta) * scale
+    ds8 = _to_fp8(ds, params["scale_dP"], o8.dtype).astype(F32) * s("descale_dP")
+    dq = jnp.einsum("bhts,bshd->bthd", ds8, k)
+    dk = jnp.einsum("bhts,bthd->bshd", ds8, q)
     cot = jax.tree.map(jnp.zeros_like, params)
-    for n, x in (("dQ", dq), ("dK", dk), ("dV", dv), ("dP", dp)):
+    for n, x in (("dQ", dq), ("dK", dk), ("dV", dv), ("dP", ds)):
         cot[f"amax_{n}"] = jnp.max(jnp.abs(x)).reshape(1, 1, 1, 1)
     return tuple(
         _to_fp8(x, params[f"scale_{n}"], g[0].dtype) for x, n in ((dq, "dQ"), (dk, "dK"), (dv, "dV"))
@@ -149,13 +155,15 @@ def test_fp8_attention_state_trains_in_a_model_step_with_cached_kernels(tiny_con
     state = {"step": jnp.zeros((), jnp.int32), "params": v["params"], "opt_state": tx.init(v["params"])}
     state |= {"fp8_meta": v["fp8_meta"], "rng": jax.random.key(1)}
     step = jax.jit(steps.make_train_step(config, net, tx, num_micro=2, use_fp8=True))
-    for _ in range(3):  # delayed scaling: the first step's output gradients (scale 1) flush to zero
+    # Delayed scaling, unit scales at first: a step's dO amax scales the next step's dO, whose dS amax
+    # (dP) scales the step after's dS; only then are dQ and dK nonzero. Four steps fill every history.
+    for _ in range(4):
         state, m = step(state, batch)
         assert bool(m["finite"])
     for block in ("double_blocks_0", "single_blocks_0"):
         att = state["fp8_meta"][block]["fp8_attention"]
         assert all(float(att[f"{n}_amax_history"][0]) > 0 for n in fp8_attention.GRAD_OPERANDS)
-        assert 0 < float(att["dO_scale"]) < 1  # the third step scaled dO from the second's amax
+        assert 0 < float(att["dO_scale"]) < 1  # scaled from an earlier step's amax
 
 
 def test_fp8_attention_config_errors_name_the_field(tiny_config):
@@ -204,3 +212,16 @@ def test_gpu_cudnn_fp8_attention_against_bf16():
     assert _rel(out, ref_out) < 0.05
     for a, b in zip(dqkv, ref_grads):
         assert _rel(a, b) < 0.15
+
+
+def test_slot_probe_reads_the_contract_off_the_emulated_kernel():
+    # benchmarks/fp8_attention.py --probe-slots maps cuDNN's scale slots on a GPU; against the emulation
+    # of the documented contract every slot must do what SLOT_EFFECTS says, with FP8-sized errors.
+    from benchmarks.fp8_attention import SLOT_EFFECTS, slot_probe
+
+    found = slot_probe(emulated_kernel, shape=(1, 128, 2, 128))
+    assert {s: r["unexpected"] for s, r in found["slots"].items()} == {s: {} for s in SLOT_EFFECTS}
+    assert all(e < 0.1 for e in found["errors_vs_float32"].values()), found["errors_vs_float32"]
+    # The emulation reports amax_dP as dS's maximum, not dO V^T's.
+    assert found["amax_dP"] == pytest.approx(found["max_abs_dS"], rel=0.02)
+    assert found["max_abs_dOVt"] > 10 * found["max_abs_dS"]
