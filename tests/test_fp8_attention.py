@@ -225,3 +225,16 @@ def test_slot_probe_reads_the_contract_off_the_emulated_kernel():
     # The emulation reports amax_dP as dS's maximum, not dO V^T's.
     assert found["amax_dP"] == pytest.approx(found["max_abs_dS"], rel=0.02)
     assert found["max_abs_dOVt"] > 10 * found["max_abs_dS"]
+
+
+def test_slot_probe_names_a_kernel_that_reads_two_slots_swapped():
+    from benchmarks.fp8_attention import slot_probe
+
+    def swapped(q8, k8, v8, params, scale):  # reads scale_dV where scale_dQ is documented, and back
+        return emulated_kernel(
+            q8, k8, v8, params | {"scale_dQ": params["scale_dV"], "scale_dV": params["scale_dQ"]}, scale
+        )
+
+    found = slot_probe(swapped, shape=(1, 128, 2, 128))
+    wrong = {s: sorted(r["unexpected"]) for s, r in found["slots"].items() if r["unexpected"]}
+    assert wrong == {"scale_dQ": ["dq", "dv"], "scale_dV": ["dq", "dv"]}
