@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import median_seconds
-from flux_jax import fp8, fp8_attention, math
+from flux_jax import fp8, fp8_attention, fp8_cast, math
 
 
 def inputs(batch, tokens, heads, seed=0):
@@ -64,12 +64,12 @@ SLOT_EFFECTS = {
 def slot_probe(kernel, shape=(1, 256, 2, 128), seed: int = 0, headroom: float = 4.0) -> dict:
     """The FP8 attention kernel's response to each scale slot; see the module docstring."""
     dtype = jnp.float8_e4m3fn
-    fmax = float(jnp.finfo(dtype).max)
+    fmax = fp8_cast.fp8_max(dtype)
     f32 = jnp.float32
     ks = jax.random.split(jax.random.key(seed), 4)
     raw = [jax.random.normal(x, shape, f32) for x in ks]
-    divisors = [jnp.max(jnp.abs(x)) / fmax for x in raw]
-    q8, k8, v8, do8 = (jnp.clip(x / d, -fmax, fmax).astype(dtype) for x, d in zip(raw, divisors))
+    divisors = [fp8_cast.amax_of(x) / fmax for x in raw]  # current scaling
+    q8, k8, v8, do8 = (fp8_cast.quantize(x, dtype, d) for x, d in zip(raw, divisors))
     q, k, v, do = (x.astype(f32) * d for x, d in zip((q8, k8, v8, do8), divisors))
     attn_scale = 1.0 / float(np.sqrt(shape[-1]))
     # float32 truth from the FP8 inputs.

@@ -192,8 +192,7 @@ def config_problems(config, desc: DeviceDescription | None = None) -> list[str]:
     if kernel == "triton" and (reason := triton_available(_gpu_platform(desc))):
         bad.append(f"config.fp8_cast_kernel='triton' cannot run here: {reason}; use 'xla' or 'auto'")
     elif fmt in FORMATS and kernel == "triton" and _is_rocm(desc) and jax.default_backend() != "cpu":
-        dtypes = cast_dtypes(desc, _get(config, "fp8_format_family", "auto"))
-        if reason := distributed.first_error(triton_cast_error(dtypes), "triton_cast_check"):
+        if reason := triton_cast_check(desc, _get(config, "fp8_format_family", "auto")):
             bad.append(
                 f"config.fp8_cast_kernel='triton': on this GPU the Triton FP8 cast does not match the XLA "
                 f"cast ({reason}); use 'auto' or 'xla'"
@@ -292,7 +291,7 @@ def resolve_cast_kernel(
         return "triton"
     if not probe or jax.default_backend() == "cpu":  # a ROCm description on a CPU (tests): nothing to probe
         return "xla"
-    if error := distributed.first_error(triton_cast_error(cast_dtypes(desc, family)), "triton_cast_check"):
+    if error := triton_cast_check(desc, family):
         warnings.warn(
             f"fp8_cast_kernel=auto: the Triton FP8 cast does not match the XLA cast on this GPU ({error}); "
             "using the XLA cast. --config.fp8_cast_kernel=xla silences this.",
@@ -300,6 +299,12 @@ def resolve_cast_kernel(
         )
         return "xla"
     return "triton"
+
+
+def triton_cast_check(desc: DeviceDescription, family: str = "auto") -> str | None:
+    """The Triton cast's device check (``fp8_cast.triton_cast_error``) in the run's FP8 dtypes, one
+    outcome on every process (every process must call it)."""
+    return distributed.first_error(triton_cast_error(cast_dtypes(desc, family)), "triton_cast_check")
 
 
 def cast_dtypes(desc: DeviceDescription, family: str = "auto") -> tuple[str, ...]:
